@@ -1,0 +1,119 @@
+"""Validated configuration at the user boundary (Python, CLI, YAML all come through here).
+
+Pydantic checks and documents every field once; the engine receives a plain frozen
+`EngineSettings` from `EngineConfig.to_settings()` and the models their paths, device and dtype.
+"""
+
+import re
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from ddtree_serve.engine.sampling_params import SamplingParams
+    from ddtree_serve.engine.settings import EngineSettings
+
+_DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(BaseModel):
+    """Everything needed to build one in-process speculative decoding engine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str | None = Field(
+        default=None,
+        description="Directory of the target model (HF layout: config.json, *.safetensors, "
+        "tokenizer.json). None = the bundled tiny Qwen3 target.",
+    )
+    drafter: str | None = Field(
+        default=None,
+        description="Directory of the DFlash drafter trained for `target`. None = the bundled "
+        "drafter (only valid with the bundled target, or in mode 'ar').",
+    )
+    device: str = Field(default="cpu", description="Torch device for both models: 'cpu', 'cuda', 'cuda:N'.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Weight and activation dtype of both models."
+    )
+    mode: Literal["ar", "chain", "ddtree"] = Field(
+        default="ddtree",
+        description="Decoding mode: 'ar' plain target decoding (no drafter), 'chain' the linear "
+        "DFlash draft, 'ddtree' best-first draft trees under `budget` nodes.",
+    )
+    budget: int = Field(
+        default=32, ge=1, le=4096, description="Default DDTree node budget per request per step."
+    )
+    max_num_seqs: int = Field(
+        default=8, ge=1, le=4096, description="Running requests at most (= KV slots per model)."
+    )
+    max_num_batched_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="Tokens one step may feed the target (prompts being prefilled plus tree "
+        "nodes); a single prompt longer than this still runs alone.",
+    )
+    max_seq_len: int = Field(
+        default=2048, ge=16, description="Positions per slot: prompt + generated tokens + one tree."
+    )
+    max_queue_len: int = Field(
+        default=1024, ge=0, description="Requests waiting for a slot at most; more are refused."
+    )
+    verify_backend: Literal["auto", "torch", "triton", "sgl_kernel"] = Field(
+        default="auto",
+        description="Sampling verification backend; 'auto' picks triton on CUDA when importable, else torch.",
+    )
+    record_timings: bool = Field(
+        default=False, description="Record per-stage step times (draft/build/verify/commit)."
+    )
+    default_max_tokens: int = Field(default=128, ge=1, description="max_tokens when a request sets none.")
+    default_temperature: float = Field(default=0.0, ge=0.0, description="Temperature when unset; 0 = greedy.")
+    default_top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="top_p when unset.")
+    default_top_k: int = Field(default=0, ge=0, description="top_k when unset; 0 = off.")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, device: str) -> str:
+        if not _DEVICE_PATTERN.match(device):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        return device
+
+    @model_validator(mode="after")
+    def _check_model_pair(self) -> "EngineConfig":
+        if self.target is None and self.drafter is not None:
+            raise ValueError("a custom drafter needs its own target: set `target` too")
+        if self.target is not None and self.drafter is None and self.mode != "ar":
+            raise ValueError(f"mode {self.mode!r} with a custom target needs `drafter` (or use mode 'ar')")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.dtype]
+
+    def to_settings(self) -> "EngineSettings":
+        """The frozen view the engine loop reads."""
+        # Imported here: the engine package imports this module, so a top-level import would cycle.
+        from ddtree_serve.engine.settings import EngineSettings
+
+        return EngineSettings(
+            mode=self.mode,
+            budget=self.budget,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_seq_len=self.max_seq_len,
+            max_queue_len=self.max_queue_len,
+            verify_backend=self.verify_backend,
+            record_timings=self.record_timings,
+        )
+
+    def default_sampling_params(self) -> "SamplingParams":
+        """Sampling used by requests that pass no `SamplingParams`."""
+        from ddtree_serve.engine.sampling_params import SamplingParams
+
+        return SamplingParams(
+            max_tokens=self.default_max_tokens,
+            temperature=self.default_temperature,
+            top_p=self.default_top_p,
+            top_k=self.default_top_k,
+        )

@@ -1,0 +1,182 @@
+"""The seam between `SpecEngine` and the models: the `Drafter` and `Target` protocols.
+
+The engine never touches a model directly. It calls these two protocols once per step with
+the whole running batch, so the same loop runs in one process (`engine/local.py` wraps the
+model runners) and over Ray (the serving layer's actor proxies add transport, not logic).
+
+What crosses the seam is small: the drafter returns top-K log-probs and ids rather than
+full logits; the target receives the tree batch, per-request sampling tensors and coins,
+and returns accepted node indices and one bonus token per request. The one large payload,
+the target's context features of the newly committed tokens, travels as an opaque
+`ContextHandle`: the engine forwards it from `Target.verify`/`Target.prefill` to the next
+`Drafter.draft` without looking inside. In process it is a list of tensors; over Ray it is
+an `ObjectRef` that the coordinator never pulls.
+
+Per step, for the running requests in slots `slots` (batch order fixed by the engine):
+
+    draft   = drafter.draft(slots, bonus_tokens, contexts, top_k)   # not in mode "ar"
+    trees   = build_ddtree / build_chain on draft.logp, draft.ids  (engine, host side)
+    verdict = target.verify(slots, build_verify_batch(trees), sampling, coins, coin_final)
+    # verdict.context -> ContextSlice(verdict.context, i) is request i's next drafter context
+
+All tensors returned across the seam are on the CPU (the engine does host-side bookkeeping on
+them); tensors passed in are CPU tensors that the implementation moves to its device.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from ddtree_serve.tree import VerifyBatch
+
+ContextHandle = Any
+"""Opaque per-call holder of context features, one entry per request of the producing call.
+
+Produced by `Target.prefill` (entry i: the prompt's features, `[T_i, F]`) and `Target.verify`
+(entry i: features of the root and accepted nodes, `[1 + accept_len_i, F]`). Only the
+`Drafter` that consumes it may look inside."""
+
+
+@dataclass(frozen=True)
+class ContextSlice:
+    """One request's new drafter context: entry `index` of the call that produced `handle`.
+
+    Requests join and leave between steps, so the drafter's batch is not the batch of any
+    single earlier target call: each request carries a pointer into the call it came from.
+    """
+
+    handle: ContextHandle
+    index: int
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-request sampling knobs of one target call, in the call's batch order (CPU)."""
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy (argmax)
+    top_k: torch.Tensor  # [B] int64; 0 = no top-k cut
+    top_p: torch.Tensor  # [B] float32; 1.0 = no nucleus cut
+    all_greedy: bool  # True when every temperature is 0: the target may skip probabilities
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.temperature.shape[0])
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    """Result of caching prompts: the first generated token of each and the prompt features."""
+
+    first_tokens: torch.Tensor  # [B] int64, CPU; sampled from the last prompt position
+    context: ContextHandle  # entry i: features of prompt i's tokens, for the drafter
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    """Top-K drafter proposals for the `L = block_size - 1` positions after each bonus token."""
+
+    logp: torch.Tensor  # [B, L, K] float32, CPU; log-probs over the full vocab, descending in K
+    ids: torch.Tensor  # [B, L, K] int64, CPU; token id of each (position, rank)
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """Outcome of verifying one tree per request and committing the accepted path.
+
+    Field meanings follow `ddtree_serve.verify.VerifyResult`; `context` is absent when the
+    caller asked for none (mode "ar" has no drafter to feed).
+    """
+
+    accept_index: torch.Tensor  # [B, D+1] int64, CPU; local node indices, root first, -1 padded
+    accept_len: torch.Tensor  # [B] int64, CPU; accepted draft nodes, root excluded
+    bonus_token: torch.Tensor  # [B] int64, CPU; next root, not yet in the target's cache
+    context: ContextHandle | None  # entry i: features of root + accepted nodes of request i
+
+
+@runtime_checkable
+class Target(Protocol):
+    """The verifying model: owns the KV cache of every slot.
+
+    Cache convention (docs/architecture.md): after `prefill` the slot holds the prompt; the
+    newest token (first token, later each bonus) is never cached until it is verified as the
+    root of the next tree.
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def max_seq_len(self) -> int:
+        """Positions a slot can hold; the engine keeps prompt + output + tree within it."""
+        ...
+
+    def prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingBatch,
+        coins: torch.Tensor | None,
+    ) -> PrefillOutput:
+        """Cache each prompt in its (empty) slot and sample its first token.
+
+        `coins`: `[B]` float32 uniform draws in [0, 1), one per request, used for inverse-CDF
+        sampling of the first token; None when `sampling.all_greedy`.
+        """
+        ...
+
+    def verify(
+        self,
+        slots: Sequence[int],
+        batch: "VerifyBatch",
+        sampling: SamplingBatch,
+        coins: torch.Tensor | None,
+        coin_final: torch.Tensor | None,
+        return_context: bool,
+    ) -> VerifyOutput:
+        """Run one forward pass over each slot's tree, verify it, and commit the accepted path.
+
+        `batch` rows follow `slots`; each tree's root sits at the slot's current length.
+        `coins [B, N]`, `coin_final [B]`: float32 uniform draws in [0, 1) for the sampling
+        verification (None when `sampling.all_greedy`). After the call the slot holds the
+        root and the accepted nodes, contiguous; the bonus token is not cached.
+        """
+        ...
+
+    def release(self, slot: int) -> None:
+        """Forget the slot's cache so a new request can take it."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """The block drafter: owns each slot's context features (its view of the committed text)."""
+
+    @property
+    def block_size(self) -> int:
+        """Positions per draft block; a draft proposes `block_size - 1` tokens after the bonus."""
+        ...
+
+    def draft(
+        self,
+        slots: Sequence[int],
+        bonus_tokens: torch.Tensor,
+        contexts: Sequence[ContextSlice],
+        top_k: int,
+    ) -> DraftOutput:
+        """Append each slot's new context, then propose the next block after its bonus token.
+
+        `bonus_tokens [B]` int64 CPU. `contexts[i]` points at the features of the tokens
+        committed to slot i since its last draft (the prompt, on a request's first draft).
+        `top_k` = K of the returned `DraftOutput` (1 for a chain, min(budget, vocab) for DDTree).
+        """
+        ...
+
+    def release(self, slot: int) -> None:
+        """Forget the slot's context so a new request can take it."""
+        ...
