@@ -1,0 +1,139 @@
+"""HF-style model directories: `config.json`, `*.safetensors`, `tokenizer.json`.
+
+Real checkpoints (a local Qwen3 + z-lab DFlash drafter) and the bundled pair go through the
+same functions. Models are built on the meta device and the loaded tensors are assigned in
+place, so a checkpoint is held in memory once, already in the requested dtype and device.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from torch import nn
+
+from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
+from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+_BUNDLED_DIR = Path(__file__).resolve().parent.parent / "bundled"
+_EMBED_KEY = "model.embed_tokens.weight"
+_HEAD_KEY = "lm_head.weight"
+
+
+def bundled_target_dir() -> Path:
+    """Directory of the project's bundled target model (`ddtree_serve/bundled/target`)."""
+    return _BUNDLED_DIR / "target"
+
+
+def bundled_drafter_dir() -> Path:
+    """Directory of the project's bundled DFlash drafter (`ddtree_serve/bundled/drafter`)."""
+    return _BUNDLED_DIR / "drafter"
+
+
+def read_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def load_tensors(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    keys: set[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read every tensor (or only `keys`) of a directory's safetensors shards, cast to `dtype`."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt", device=str(device)) as shard:
+            for key in shard.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                if keys is None or key in keys:
+                    tensors[key] = shard.get_tensor(key).to(dtype)
+    return tensors
+
+
+def _assign_weights(module: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Assign `tensors` to a meta-device module; every parameter must be covered, exactly."""
+    expected = set(module.state_dict().keys())
+    missing, unexpected = expected - tensors.keys(), tensors.keys() - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the model: missing {sorted(missing)[:8]}, "
+            f"unexpected {sorted(unexpected)[:8]}"
+        )
+    module.load_state_dict(tensors, strict=True, assign=True)
+
+
+def load_target_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> Qwen3ForCausalLM:
+    """Load a Qwen3/Qwen2/Llama causal LM directory in eval mode."""
+    path = Path(path)
+    config = Qwen3Config.from_dict(read_config(path))
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    tensors = load_tensors(path, dtype=dtype, device=device)
+    if config.tie_word_embeddings:
+        tensors[_HEAD_KEY] = tensors[_EMBED_KEY]
+    _assign_weights(model, tensors, path)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def load_draft_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> DFlashDraftModel:
+    """Load a DFlash drafter directory (its own weights only) in eval mode."""
+    path = Path(path)
+    config = DFlashConfig.from_dict(read_config(path))
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    _assign_weights(model, load_tensors(path, dtype=dtype, device=device), path)
+    return model.eval()
+
+
+def load_embedding_and_head(
+    target_path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the target's token embedding `[V, H]` and LM head `[V, H]`, for the drafter to borrow."""
+    target_path = Path(target_path)
+    config = Qwen3Config.from_dict(read_config(target_path))
+    tensors = load_tensors(target_path, dtype=dtype, device=device, keys={_EMBED_KEY, _HEAD_KEY})
+    embed = tensors[_EMBED_KEY]
+    head = embed if config.tie_word_embeddings else tensors[_HEAD_KEY]
+    return embed, head
+
+
+def save_model_dir(
+    module: nn.Module, config: dict, path: str | Path, *, dtype: torch.dtype | None = None
+) -> Path:
+    """Write `config.json` and `model.safetensors` (optionally cast) into `path`; returns it.
+
+    Tied weights are written once, under their first name (HF's convention for tied heads).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    seen_storage: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict().items():
+        if tensor.data_ptr() in seen_storage:
+            continue
+        seen_storage.add(tensor.data_ptr())
+        tensors[name] = (tensor.to(dtype) if dtype is not None else tensor).detach().contiguous().cpu()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The `tokenizers` tokenizer of a model directory (`tokenizer.json`)."""
+    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
