@@ -1,0 +1,110 @@
+"""One generation request: its tokens, slot, sampling state and the outputs it produces."""
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ddtree_serve.engine.interfaces import ContextSlice
+from ddtree_serve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, no slot yet
+    RUNNING = "running"  # holds a slot; drafted and verified every step
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Per-request speculation figures; `acceptance_length` is tokens per verify step (tau)."""
+
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    steps: int  # verify steps (the prefill token is not one)
+    acceptance_length: float  # mean tokens one verify step produced, stop truncation not applied
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "steps": self.steps,
+            "acceptance_length": self.acceptance_length,
+        }
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A snapshot of one request after a step: cumulative token ids, what is new, whether done.
+
+    Text is not decoded here (the engine decodes only for stop strings); `Detokenizer` turns
+    these into text for callers that want it.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]  # every generated token so far, stop token excluded
+    num_new_tokens: int  # how many of `token_ids` are new since the previous output
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS, stop token or string), "length", "abort"
+    stop_text_offset: int | None  # decoded text ends here (a stop string starts at it)
+    stats: RequestStats
+
+
+class Request:
+    """Mutable state of one request; owned by the engine, queued by the scheduler."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.status = RequestStatus.WAITING
+        self.slot: int | None = None
+        self.output_token_ids: list[int] = []
+        self.num_emitted_tokens = 0  # outputs already reported to the caller
+        # The newest sampled token: root of the next tree, not yet in the target's cache.
+        self.bonus_token: int | None = None
+        # Features of tokens committed since the last draft; consumed by the next draft.
+        self.pending_context: ContextSlice | None = None
+        self.finish_reason: str | None = None
+        self.stop_text_offset: int | None = None
+        self.steps = 0
+        self.num_step_tokens = 0  # tokens produced by verify steps, before stop truncation
+        self.generator = torch.Generator()
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+
+    def stats(self) -> RequestStats:
+        return RequestStats(
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=len(self.output_token_ids),
+            steps=self.steps,
+            acceptance_length=self.num_step_tokens / self.steps if self.steps else 0.0,
+        )
+
+    def take_output(self) -> RequestOutput:
+        """The current snapshot; marks its tokens as reported."""
+        num_new = len(self.output_token_ids) - self.num_emitted_tokens
+        self.num_emitted_tokens = len(self.output_token_ids)
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=tuple(self.output_token_ids),
+            num_new_tokens=num_new,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            stop_text_offset=self.stop_text_offset,
+            stats=self.stats(),
+        )

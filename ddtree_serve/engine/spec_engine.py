@@ -1,0 +1,284 @@
+"""`SpecEngine`: the speculative decoding step loop over a `Drafter` and a `Target`.
+
+One step, for every running request at once:
+    schedule -> prefill newcomers -> draft -> build trees -> verify (+ target commit)
+    -> commit (append tokens, check stops) -> postprocess (free finished slots, outputs)
+Mode "ar" skips the drafter: each tree is its root alone, verified through the same path, so
+one loop serves plain decoding, chains and DDTrees.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from ddtree_serve.engine.interfaces import (
+    ContextSlice,
+    Drafter,
+    DraftOutput,
+    SamplingBatch,
+    Target,
+    VerifyOutput,
+)
+from ddtree_serve.engine.request import Request, RequestOutput
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.scheduler import ScheduledStep, Scheduler
+from ddtree_serve.engine.settings import EngineSettings
+from ddtree_serve.engine.stop import StopChecker
+from ddtree_serve.engine.timing import StageTimer
+from ddtree_serve.tree import DraftTree, VerifyBatch, build_chain, build_ddtree, build_verify_batch
+
+
+class SpecEngine:
+    """Continuous-batching speculative decoding; not thread-safe (drive it from one thread)."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        target: Target,
+        drafter: Drafter | None,
+        tokenizer: Tokenizer,
+        timer: StageTimer | None = None,
+    ) -> None:
+        if settings.mode != "ar" and drafter is None:
+            raise ValueError(f"mode {settings.mode!r} needs a drafter")
+        self.settings = settings
+        self.target = target
+        self.drafter = drafter if settings.mode != "ar" else None
+        self.tokenizer = tokenizer
+        self.timer = timer or StageTimer(enabled=settings.record_timings)
+        self.vocab_size = target.vocab_size
+        # Positions one step's tree spans past the cached prefix (root included).
+        self.block_size = 1 if self.drafter is None else self.drafter.block_size
+        self.max_seq_len = min(settings.max_seq_len, target.max_seq_len)
+        self.scheduler = Scheduler(
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_queue_len=settings.max_queue_len,
+            tree_tokens=self._tree_tokens,
+        )
+        self.stop_checker = StopChecker(tokenizer, target.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+
+    # ----------------------------------------------------------------------------- requests
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
+        """Queue a request; raises `QueueFullError` when the queue is full, ValueError if invalid."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = (
+            self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+        )
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt_ids) + self.block_size >= self.max_seq_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
+                f"max_seq_len={self.max_seq_len}"
+            )
+        request = Request(request_id, prompt_ids, params)
+        self.scheduler.add(request)
+        self._requests[request_id] = request
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request now; its final output (reason "abort") comes with the next step."""
+        request = self._requests.get(request_id)
+        if request is None or request.finished:
+            return
+        if request.slot is None:
+            self.scheduler.remove_waiting(request)
+        else:
+            self._release(request)
+        request.finish("abort")
+        self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ----------------------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every running request by one verify step; return their new outputs."""
+        with self.timer.stage("schedule"):
+            scheduled = self.scheduler.schedule()
+        if scheduled.prefills:
+            with self.timer.stage("prefill"):
+                self._prefill(scheduled.prefills)
+        running = [r for r in scheduled.running if not r.finished]  # some stop at their first token
+        if running:
+            with self.timer.stage("draft"):
+                draft = self._draft(running)
+            with self.timer.stage("build"):
+                trees, batch = self._build(running, draft)
+            with self.timer.stage("verify"):
+                verdict = self._verify(running, batch)
+            with self.timer.stage("commit"):
+                self._commit(running, trees, verdict)
+        return self._postprocess(scheduled)
+
+    def _prefill(self, requests: list[Request]) -> None:
+        """Cache the newcomers' prompts, take their first token and their drafter context."""
+        sampling = _sampling_batch([r.params for r in requests])
+        coins = None if sampling.all_greedy else torch.stack([_uniforms(r, 1)[0] for r in requests])
+        output = self.target.prefill(
+            [_slot(r) for r in requests], [r.prompt_token_ids for r in requests], sampling, coins
+        )
+        first_tokens = output.first_tokens.tolist()
+        for i, request in enumerate(requests):
+            request.bonus_token = first_tokens[i]
+            request.pending_context = ContextSlice(output.context, i)
+            self.stop_checker.append(request, [first_tokens[i]], self._max_output_tokens(request))
+
+    def _draft(self, requests: list[Request]) -> DraftOutput | None:
+        """One drafter call for the batch; K is the largest any request's tree can use."""
+        if self.drafter is None:
+            return None
+        top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
+        contexts = [r.pending_context for r in requests]
+        assert all(c is not None for c in contexts), "every running request has undrafted context"
+        bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
+        draft = self.drafter.draft([_slot(r) for r in requests], bonus_tokens, contexts, top_k)
+        for request in requests:
+            request.pending_context = None
+        return draft
+
+    def _build(
+        self, requests: list[Request], draft: DraftOutput | None
+    ) -> tuple[list[DraftTree], VerifyBatch]:
+        """Host side: one tree per request from its draft, then the padded verify batch."""
+        trees: list[DraftTree] = []
+        if draft is None:
+            trees = [build_chain(np.empty(0, dtype=np.int64), _bonus(r)) for r in requests]
+        elif self.settings.mode == "chain":
+            ids, logp = draft.ids[:, :, 0].numpy(), draft.logp[:, :, 0].numpy()  # [B, L]
+            trees = [build_chain(ids[i], _bonus(r), logp[i]) for i, r in enumerate(requests)]
+        else:
+            ids, logp = draft.ids.numpy(), draft.logp.numpy()  # [B, L, K]
+            for i, request in enumerate(requests):
+                k = self._top_k(request)
+                trees.append(
+                    build_ddtree(logp[i, :, :k], ids[i, :, :k], self._budget(request), _bonus(request))
+                )
+        return trees, build_verify_batch(trees)
+
+    def _verify(self, requests: list[Request], batch: VerifyBatch) -> VerifyOutput:
+        """One target call: forward over every tree, accept a path, commit its KV."""
+        sampling = _sampling_batch([r.params for r in requests])
+        coins = coin_final = None
+        if not sampling.all_greedy:
+            # Per request: one coin per real node then the final coin, all from its generator,
+            # so a seeded request draws the same coins whatever batch it runs in.
+            num_nodes = batch.num_nodes.tolist()
+            coins = torch.zeros(batch.batch_size, batch.num_slots, dtype=torch.float32)
+            coin_final = torch.zeros(batch.batch_size, dtype=torch.float32)
+            for i, request in enumerate(requests):
+                if request.params.greedy:
+                    continue
+                draws = _uniforms(request, num_nodes[i] + 1)
+                coins[i, : num_nodes[i]] = draws[:-1]
+                coin_final[i] = draws[-1]
+        return self.target.verify(
+            [_slot(r) for r in requests],
+            batch,
+            sampling,
+            coins,
+            coin_final,
+            return_context=self.drafter is not None,
+        )
+
+    def _commit(self, requests: list[Request], trees: list[DraftTree], verdict: VerifyOutput) -> None:
+        """Append each request's accepted tokens and bonus; stops drop what follows them."""
+        accept_index = verdict.accept_index.tolist()
+        accept_len = verdict.accept_len.tolist()
+        bonus_tokens = verdict.bonus_token.tolist()
+        for i, request in enumerate(requests):
+            accepted_nodes = accept_index[i][1 : 1 + accept_len[i]]
+            new_tokens = [*trees[i].token_ids[accepted_nodes].tolist(), bonus_tokens[i]]
+            request.steps += 1
+            request.num_step_tokens += len(new_tokens)
+            request.bonus_token = bonus_tokens[i]
+            if verdict.context is not None:
+                request.pending_context = ContextSlice(verdict.context, i)
+            self.stop_checker.append(request, new_tokens, self._max_output_tokens(request))
+
+    def _postprocess(self, scheduled: ScheduledStep) -> list[RequestOutput]:
+        """Free finished requests' slots and report every request that changed."""
+        outputs: list[RequestOutput] = []
+        for request in scheduled.running:
+            if request.finished:
+                self._release(request)
+                del self._requests[request.request_id]
+            if request.finished or len(request.output_token_ids) > request.num_emitted_tokens:
+                outputs.append(request.take_output())
+        for request in self._aborted:
+            self._requests.pop(request.request_id, None)
+            outputs.append(request.take_output())
+        self._aborted.clear()
+        return outputs
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _release(self, request: Request) -> None:
+        if request.slot is None:
+            return
+        slot = self.scheduler.free(request)
+        self.target.release(slot)
+        if self.drafter is not None:
+            self.drafter.release(slot)
+
+    def _budget(self, request: Request) -> int:
+        return request.params.draft_budget or self.settings.budget
+
+    def _top_k(self, request: Request) -> int:
+        return min(self._budget(request), self.vocab_size)
+
+    def _tree_tokens(self, request: Request) -> int:
+        """Upper bound on the nodes (root included) one step verifies for `request`."""
+        match self.settings.mode:
+            case "ar":
+                return 1
+            case "chain":
+                return self.block_size
+            case _:
+                return self._budget(request) + 1
+
+    def _max_output_tokens(self, request: Request) -> int:
+        """max_tokens, capped so every tree still fits: cached = prompt + output - 1 positions."""
+        room = self.max_seq_len - request.num_prompt_tokens - self.block_size + 1
+        return max(1, min(request.params.max_tokens, room))
+
+
+def _sampling_batch(params: list[SamplingParams]) -> SamplingBatch:
+    return SamplingBatch(
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        all_greedy=all(p.greedy for p in params),
+    )
+
+
+def _uniforms(request: Request, n: int) -> torch.Tensor:
+    """`n` float32 draws in [0, 1) from the request's own generator: [n]."""
+    return torch.rand(n, generator=request.generator, dtype=torch.float32)
+
+
+def _slot(request: Request) -> int:
+    assert request.slot is not None, "only running requests reach the models"
+    return request.slot
+
+
+def _bonus(request: Request) -> int:
+    assert request.bonus_token is not None, "a running request has sampled its newest token"
+    return request.bonus_token
