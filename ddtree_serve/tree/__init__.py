@@ -1,0 +1,8 @@
+"""Draft trees: DDTree/chain construction and the padded buffers verification consumes."""
+
+from ddtree_serve.tree.buffers import VerifyBatch, build_verify_batch
+from ddtree_serve.tree.ddtree import build_chain, build_ddtree
+from ddtree_serve.tree.draft_tree import DraftTree
+from ddtree_serve.tree.topk import draft_topk
+
+__all__ = ["DraftTree", "VerifyBatch", "build_chain", "build_ddtree", "build_verify_batch", "draft_topk"]

@@ -1,0 +1,138 @@
+"""Draft trees -> the padded batch of tensors a target needs to verify them (`VerifyBatch`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ddtree_serve.tree.draft_tree import DraftTree
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """Verification inputs for B trees padded to N nodes (local node index 0 = root).
+
+    Links use local node indices and -1 for "none"; each parent's children are linked in
+    descending logw order. Padding nodes (index >= num_nodes[b]) have token 0, depth 0, no
+    parent and no links, and attend only to themselves, so no walk ever reaches them.
+    """
+
+    tokens: torch.Tensor  # [B, N] int64
+    depths: torch.Tensor  # [B, N] int64; a node sits at position start + depth
+    parents: torch.Tensor  # [B, N] int64, -1 for roots and padding
+    retrieve_index: torch.Tensor  # [B, N] int64, b * N + i (flat row of node i in [B * N, ...])
+    retrieve_next_token: torch.Tensor  # [B, N] int64, first child (highest logw) or -1
+    retrieve_next_sibling: torch.Tensor  # [B, N] int64, next lower-logw sibling or -1
+    attn_mask: torch.Tensor  # [B, N, N] bool, [b, i, j] = j is i or an ancestor of i
+    num_nodes: torch.Tensor  # [B] int64, real nodes per tree, root included
+    max_depth: int  # deepest real node over the batch
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """N: nodes per tree after padding."""
+        return self.tokens.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> VerifyBatch:
+        """Copy every tensor to `device` (pin first for a truly asynchronous host-to-device copy)."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return VerifyBatch(
+            tokens=move(self.tokens),
+            depths=move(self.depths),
+            parents=move(self.parents),
+            retrieve_index=move(self.retrieve_index),
+            retrieve_next_token=move(self.retrieve_next_token),
+            retrieve_next_sibling=move(self.retrieve_next_sibling),
+            attn_mask=move(self.attn_mask),
+            num_nodes=move(self.num_nodes),
+            max_depth=self.max_depth,
+        )
+
+
+def build_verify_batch(trees: Sequence[DraftTree], n_max: int | None = None) -> VerifyBatch:
+    """Pad and link `trees` into one `VerifyBatch` of N = n_max (default: largest tree) nodes.
+
+    Everything is assembled in numpy and turned into tensors once (tensor creation, not the
+    arithmetic, dominates at these sizes).
+    """
+    sizes = [tree.num_nodes for tree in trees]
+    num_slots = max(sizes) if n_max is None else n_max
+    if sizes and max(sizes) > num_slots:
+        raise ValueError(f"a tree has {max(sizes)} nodes, more than n_max={num_slots}")
+    batch_size = len(trees)
+
+    # One int64 block, split into named [B, N] planes.
+    planes = np.empty((6, batch_size, num_slots), dtype=np.int64)
+    tokens, depths, parents, retrieve_index, next_token, next_sibling = planes
+    tokens.fill(0)
+    depths.fill(0)
+    parents.fill(-1)
+    retrieve_index[:] = np.arange(batch_size * num_slots, dtype=np.int64).reshape(batch_size, num_slots)
+    next_token.fill(-1)
+    next_sibling.fill(-1)
+
+    for b, tree in enumerate(trees):
+        n = tree.num_nodes
+        tokens[b, :n] = tree.token_ids
+        depths[b, :n] = tree.depths
+        parents[b, :n] = tree.parents
+        if n > 1:
+            _link_children(tree, next_token[b], next_sibling[b])
+
+    attn_mask = _ancestor_mask(parents, int(depths.max(initial=0)))
+    planes_t = torch.from_numpy(planes)
+    return VerifyBatch(
+        tokens=planes_t[0],
+        depths=planes_t[1],
+        parents=planes_t[2],
+        retrieve_index=planes_t[3],
+        retrieve_next_token=planes_t[4],
+        retrieve_next_sibling=planes_t[5],
+        attn_mask=torch.from_numpy(attn_mask),
+        num_nodes=torch.tensor(sizes, dtype=torch.int64),
+        max_depth=int(depths.max(initial=0)),
+    )
+
+
+def _link_children(tree: DraftTree, next_token: np.ndarray, next_sibling: np.ndarray) -> None:
+    """Fill one tree's first-child and next-sibling links ([N] int64 rows, -1 prefilled)."""
+    order = tree.sibling_order()  # [n] non-root nodes grouped by parent, descending logw
+    group_parents = tree.parents[order]
+    same_parent = group_parents[1:] == group_parents[:-1]  # [n-1]: order[j+1] follows order[j]
+    next_sibling[order[:-1][same_parent]] = order[1:][same_parent]
+    group_starts = np.concatenate(([True], ~same_parent))
+    first_children = order[group_starts]
+    next_token[tree.parents[first_children]] = first_children
+
+
+def _ancestor_mask(parents: np.ndarray, max_depth: int) -> np.ndarray:
+    """[B, N, N] bool: [b, i, j] is True iff j == i or j is an ancestor of i.
+
+    Walks every node up one parent per iteration, all nodes of all trees at once, so the cost is
+    max_depth vectorised steps. Roots and padding point to themselves, which ends their walk.
+    """
+    batch_size, num_slots = parents.shape
+    self_index = np.broadcast_to(np.arange(num_slots, dtype=np.int64), parents.shape)
+    up = np.where(parents >= 0, parents, self_index).reshape(-1)  # [B*N] local parent or self
+    row_offsets = np.repeat(np.arange(batch_size, dtype=np.int64) * num_slots, num_slots)  # [B*N]
+    mask_rows = np.arange(batch_size * num_slots, dtype=np.int64) * num_slots  # flat row starts
+    mask = np.zeros(batch_size * num_slots * num_slots, dtype=np.bool_)
+    ancestor = self_index.reshape(-1).copy()  # [B*N] local index of the current ancestor
+    mask[mask_rows + ancestor] = True
+    for _ in range(max_depth):
+        ancestor = up[row_offsets + ancestor]
+        mask[mask_rows + ancestor] = True
+    return mask.reshape(batch_size, num_slots, num_slots)

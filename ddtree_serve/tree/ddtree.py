@@ -1,0 +1,90 @@
+"""Best-first DDTree construction from a drafter's per-position top-K distributions.
+
+The tree holds the `budget` most probable prefixes under the drafter's factorised distribution.
+A max-heap keyed by cumulative log-weight pops them in order; each popped node pushes at most two
+candidates (its next sibling and its first child), so the heap stays O(budget) and the build is
+O(budget log budget). Because every log-prob is <= 0 and ranks are descending, a generated
+candidate never outranks the node that generated it, hence the pop order is the global order
+and the chosen set is ancestor-closed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import numpy as np
+
+from ddtree_serve.tree.draft_tree import DraftTree
+
+
+def build_ddtree(logp: Any, ids: Any, budget: int, root_token: int) -> DraftTree:
+    """Build the DDTree for one request.
+
+    `logp`, `ids`: [L, K] (numpy or CPU torch), log-probs normalised over the full vocabulary,
+    descending along K. `budget` counts draft nodes, so the tree has at most `budget + 1` nodes.
+    Heap keys are (-logw, rank path): equal log-weights pop in lexicographic rank-path order.
+    A candidate's logw is its parent's logw plus its own edge log-prob, so every logw is the
+    left-to-right float sum of the edge log-probs on its path.
+    """
+    logp_rows: list[list[float]] = logp.tolist()  # [L][K]
+    id_rows: list[list[int]] = ids.tolist()  # [L][K]
+    num_levels = len(logp_rows)
+    num_ranks = len(logp_rows[0]) if num_levels else 0
+
+    token_ids = [int(root_token)]
+    depths = [0]
+    parents = [-1]
+    logws = [0.0]
+    if num_levels == 0 or num_ranks == 0 or budget <= 0:
+        return _as_tree(token_ids, depths, parents, logws)
+
+    # Heap entry: (-logw, rank path, parent node, depth, rank). Paths are unique, so comparison
+    # never reaches the trailing fields.
+    heap: list[tuple[float, tuple[int, ...], int, int, int]] = [(-logp_rows[0][0], (0,), 0, 1, 0)]
+    push, pop = heapq.heappush, heapq.heappop
+    while heap and len(token_ids) <= budget:
+        neg_logw, path, parent, depth, rank = pop(heap)
+        node = len(token_ids)
+        logw = -neg_logw
+        token_ids.append(id_rows[depth - 1][rank])
+        depths.append(depth)
+        parents.append(parent)
+        logws.append(logw)
+        if rank + 1 < num_ranks:
+            sibling_logw = logws[parent] + logp_rows[depth - 1][rank + 1]
+            push(heap, (-sibling_logw, (*path[:-1], rank + 1), parent, depth, rank + 1))
+        if depth < num_levels:
+            push(heap, (-(logw + logp_rows[depth][0]), (*path, 0), node, depth + 1, 0))
+    return _as_tree(token_ids, depths, parents, logws)
+
+
+def build_chain(ids_row0: Any, root_token: int, logp_row0: Any = None) -> DraftTree:
+    """The linear DFlash draft (DDTree with K = 1): node i is the rank-0 token at depth i.
+
+    `ids_row0`: [L] token ids. `logp_row0` ([L], optional) gives the edge log-probs for `logws`;
+    without it every logw is 0.0 (a chain needs no ordering).
+    """
+    chain_ids = [int(t) for t in np.asarray(ids_row0).reshape(-1).tolist()]
+    num_levels = len(chain_ids)
+    if logp_row0 is None:
+        logws = [0.0] * (num_levels + 1)
+    else:
+        logws = [0.0]
+        for edge_logp in np.asarray(logp_row0, dtype=np.float64).reshape(-1).tolist():
+            logws.append(logws[-1] + edge_logp)
+    return _as_tree(
+        [int(root_token), *chain_ids],
+        list(range(num_levels + 1)),
+        list(range(-1, num_levels)),
+        logws,
+    )
+
+
+def _as_tree(token_ids: list[int], depths: list[int], parents: list[int], logws: list[float]) -> DraftTree:
+    return DraftTree(
+        token_ids=np.array(token_ids, dtype=np.int64),
+        depths=np.array(depths, dtype=np.int64),
+        parents=np.array(parents, dtype=np.int64),
+        logws=np.array(logws, dtype=np.float64),
+    )
