@@ -36,6 +36,19 @@ def read_config(path: str | Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
+def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:
+    """End-of-sequence ids from `config.json` and, when present, `generation_config.json`."""
+    path = Path(path)
+    found: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        file = path / name
+        eos = json.loads(file.read_text()).get("eos_token_id") if file.exists() else None
+        for token_id in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+            if int(token_id) not in found:
+                found.append(int(token_id))
+    return tuple(found)
+
+
 def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:

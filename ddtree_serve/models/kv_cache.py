@@ -1,0 +1,130 @@
+"""A preallocated key/value cache with a fixed number of request slots.
+
+Layout: `keys`/`values` `[layers, slots, max_seq_len, kv_heads, head_dim]`; slot s holds
+`lengths[s]` committed entries at rows `[0, lengths[s])`. Rows past the length are scratch:
+a tree verification writes its nodes there, and `compact` moves the accepted ones down.
+Lengths live on the host (a Python list) so bookkeeping never waits on the device.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+
+class SlotKVCache:
+    """Owner of the K/V tensors and the committed length of every slot."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_slots, max_seq_len, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        self.lengths = [0] * num_slots
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def slot_lengths(self, slots: Sequence[int]) -> list[int]:
+        return [self.lengths[s] for s in slots]
+
+    def check_room(self, slots: Sequence[int], extra: Sequence[int] | int) -> None:
+        """Raise if writing `extra` rows past any slot's length would overflow `max_seq_len`."""
+        extras = [extra] * len(slots) if isinstance(extra, int) else list(extra)
+        for slot, more in zip(slots, extras, strict=True):
+            if self.lengths[slot] + more > self.max_seq_len:
+                raise ValueError(
+                    f"slot {slot}: {self.lengths[slot]} cached + {more} new rows exceed "
+                    f"max_seq_len {self.max_seq_len}"
+                )
+
+    def write(
+        self,
+        layer: int,
+        slot_rows: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Store `keys/values [..., kv_heads, head_dim]` at `(slot_rows, positions)` (same `[...]` shape)."""
+        self.keys[layer].index_put_((slot_rows, positions), keys)
+        self.values[layer].index_put_((slot_rows, positions), values)
+
+    def read(self, layer: int, slots: "SlotIndex", num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `[0, num_rows)` of each slot: `[B, num_rows, kv_heads, head_dim]` (a view when contiguous)."""
+        index = slots.index
+        return self.keys[layer, index, :num_rows], self.values[layer, index, :num_rows]
+
+    def compact(self, slots: Sequence[int], keep_offsets: torch.Tensor) -> list[int]:
+        """Keep, per slot, the scratch rows `length + keep_offsets[b, j]` (j ascending, -1 = none).
+
+        Kept rows move to `length + j`, contiguous after the committed prefix, for every layer
+        at once (one gather and one scatter); lengths grow by the number kept. Returns the
+        new lengths.
+        """
+        offsets = keep_offsets.to("cpu")  # [B, D+1] int64
+        kept = offsets >= 0
+        num_kept = kept.sum(dim=1).tolist()
+        starts = torch.tensor(self.slot_lengths(slots), dtype=torch.int64)[:, None]
+        slot_ids = torch.tensor(list(slots), dtype=torch.int64)[:, None].expand_as(offsets)
+        src = (starts + offsets.clamp(min=0))[kept].to(self.device)
+        dst = (starts + torch.arange(offsets.shape[1])).expand_as(offsets)[kept].to(self.device)
+        rows = slot_ids[kept].to(self.device)
+        moved_keys = self.keys[:, rows, src]  # [layers, M, kv_heads, head_dim], a copy
+        moved_values = self.values[:, rows, src]
+        self.keys[:, rows, dst] = moved_keys
+        self.values[:, rows, dst] = moved_values
+        for slot, more in zip(slots, num_kept, strict=True):
+            self.lengths[slot] += more
+        return self.slot_lengths(slots)
+
+
+class SlotIndex:
+    """A batch's slots as an index into the cache's slot dimension.
+
+    Consecutive ascending slots become a slice, so reads are views rather than gathers.
+    """
+
+    def __init__(self, slots: Sequence[int], device: torch.device) -> None:
+        self.slots = list(slots)
+        first = self.slots[0]
+        if self.slots == list(range(first, first + len(self.slots))):
+            self.index: slice | torch.Tensor = slice(first, first + len(self.slots))
+        else:
+            self.index = torch.tensor(self.slots, dtype=torch.int64, device=device)
+        self.rows = torch.tensor(self.slots, dtype=torch.int64, device=device)  # [B]
+
+
+class CacheWriter:
+    """`KVStore` for one forward: writes fresh K/V at given rows, returns each slot's first `num_rows`.
+
+    `positions [B, T]`: cache rows of the T new tokens per slot; the attention mask's
+    columns are then cache rows `[0, num_rows)`.
+    """
+
+    def __init__(self, cache: SlotKVCache, slots: SlotIndex, positions: torch.Tensor, num_rows: int) -> None:
+        self.cache = cache
+        self.slots = slots
+        self.slot_rows = slots.rows[:, None].expand_as(positions)  # [B, T]
+        self.positions = positions
+        self.num_rows = num_rows
+
+    def update(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.write(layer_idx, self.slot_rows, self.positions, keys, values)
+        return self.cache.read(layer_idx, self.slots, self.num_rows)

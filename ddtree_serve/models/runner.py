@@ -1,0 +1,158 @@
+"""`TargetRunner`: the target model over a slot KV cache, with tree verification and commit.
+
+Cache convention (docs/architecture.md): after `prefill` a slot holds its prompt; the newest
+token (the bonus) is not cached. `verify` places a tree's root at `start = seq_len(slot)`,
+node i at position `start + depth[i]`, and writes every node's K/V into scratch rows
+`start + i`; `commit` keeps the root and the accepted nodes, moved down to rows
+`start .. start + accept_len`. Between `verify` and `commit` the committed lengths do not
+change, so a verify that is never committed leaves the slot as it was.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ddtree_serve.models.kv_cache import CacheWriter, SlotIndex, SlotKVCache
+from ddtree_serve.models.loading import load_target_model, read_eos_token_ids
+from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, context_features
+
+if TYPE_CHECKING:
+    from ddtree_serve.tree import VerifyBatch
+
+
+class TargetRunner:
+    """Prefill, verify and commit for a fixed number of request slots."""
+
+    def __init__(
+        self,
+        model: Qwen3ForCausalLM,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        target_layer_ids: Sequence[int] | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        """`target_layer_ids`: decoder layers whose outputs form the context features (None: F = 0)."""
+        first = next(model.parameters())
+        self.model = model
+        self.config: Qwen3Config = model.config
+        self.device = first.device
+        self.dtype = first.dtype
+        self.target_layer_ids = tuple(target_layer_ids or ())
+        self.eos_token_ids = tuple(eos_token_ids) or self.config.eos_token_ids
+        self.cache = SlotKVCache(
+            num_layers=self.config.num_hidden_layers,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            num_kv_heads=self.config.num_key_value_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        target_layer_ids: Sequence[int] | None = None,
+    ) -> "TargetRunner":
+        model = load_target_model(path, dtype=dtype, device=device)
+        return cls(
+            model,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            target_layer_ids=target_layer_ids,
+            eos_token_ids=read_eos_token_ids(path),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def feature_dim(self) -> int:
+        return len(self.target_layer_ids) * self.config.hidden_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache.max_seq_len
+
+    def seq_len(self, slot: int) -> int:
+        """Committed tokens in the slot's cache."""
+        return self.cache.lengths[slot]
+
+    def release(self, slot: int) -> None:
+        self.cache.release(slot)
+
+    @torch.inference_mode()
+    def prefill(
+        self, slot: int, token_ids: Sequence[int] | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `token_ids` to the slot's cache -> (last-position logits `[V]`, features `[T, F]`).
+
+        On an empty slot this caches a prompt; on a non-empty one it extends the cached text
+        (chunked prefill, or a plain decode step with one token).
+        """
+        tokens = torch.as_tensor(token_ids, dtype=torch.int64).to(self.device)[None]  # [1, T]
+        num_new = tokens.shape[1]
+        self.cache.check_room([slot], num_new)
+        start = self.cache.lengths[slot]
+        positions = start + torch.arange(num_new, device=self.device)[None]  # [1, T]
+        num_rows = start + num_new
+        # query t sees cache rows [0, start + t]
+        mask = torch.arange(num_rows, device=self.device)[None, None, :] <= positions[..., None]
+        writer = CacheWriter(self.cache, SlotIndex([slot], self.device), positions, num_rows)
+        out = self.model(tokens, positions, mask, writer, self.target_layer_ids)
+        self.cache.lengths[slot] = num_rows
+        logits = self.model.logits(out.hidden[0, -1])
+        return logits, context_features(out, self.target_layer_ids)[0]
+
+    @torch.inference_mode()
+    def verify(
+        self, slots: Sequence[int], batch: "VerifyBatch", starts: Sequence[int] | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over every tree node -> (logits `[B, N, V]`, features `[B, N, F]`).
+
+        Node i of row b attends to its slot's cached prefix and to the nodes that
+        `batch.attn_mask[b, i]` allows (itself and its ancestors), at position
+        `starts[b] + depths[b, i]`. `starts` must equal the slots' cached lengths.
+        """
+        start_list = [int(s) for s in (starts.tolist() if isinstance(starts, torch.Tensor) else starts)]
+        if start_list != self.cache.slot_lengths(slots):
+            raise ValueError(
+                f"starts {start_list} differ from cached lengths {self.cache.slot_lengths(slots)}"
+            )
+        num_nodes = batch.tokens.shape[1]
+        self.cache.check_room(slots, num_nodes)
+        batch_size = len(slots)
+        device = self.device
+        tokens = batch.tokens.to(device).clamp(min=0)  # [B, N]
+        depths = batch.depths.to(device).clamp(min=0)  # [B, N]
+        tree_mask = batch.attn_mask.to(device)  # [B, N, N]
+        start_t = torch.tensor(start_list, dtype=torch.int64, device=device)  # [B]
+        node_rows = start_t[:, None] + torch.arange(num_nodes, device=device)  # [B, N] scratch rows
+        num_rows = max(start_list) + num_nodes
+        # columns: the slot's prefix rows < start, then its tree rows start + j per the tree mask
+        mask = (torch.arange(num_rows, device=device) < start_t[:, None])[:, None, :]
+        mask = mask.expand(batch_size, num_nodes, num_rows).clone()  # [B, N, num_rows]
+        mask.scatter_(2, node_rows[:, None, :].expand(batch_size, num_nodes, num_nodes), tree_mask)
+        writer = CacheWriter(self.cache, SlotIndex(slots, device), node_rows, num_rows)
+        out = self.model(tokens, start_t[:, None] + depths, mask, writer, self.target_layer_ids)
+        return self.model.logits(out.hidden), context_features(out, self.target_layer_ids)
+
+    @torch.inference_mode()
+    def commit(self, slots: Sequence[int], accept_index: torch.Tensor) -> None:
+        """Keep the root and the accepted nodes of the last `verify` (`accept_index [B, D+1]`,
+        local node indices, root first, -1 padded); the slots grow by 1 + accept_len."""
+        self.cache.compact(slots, accept_index)
