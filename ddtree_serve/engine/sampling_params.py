@@ -20,7 +20,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the output ends before the first match
     stop_token_ids: tuple[int, ...] = ()  # stop tokens; the output ends before them
     ignore_eos: bool = False  # keep generating past the tokenizer's end-of-text token
-    draft_budget: int | None = None  # DDTree nodes per step; None = the engine default
+    draft_budget: int | None = None  # DDTree nodes per step, at most the engine's; None = its budget
 
     def __post_init__(self) -> None:
         # Normalise list inputs (JSON, CLI) to tuples so a params object is immutable all the way down.

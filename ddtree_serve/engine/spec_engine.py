@@ -49,8 +49,9 @@ class SpecEngine:
         self.tokenizer = tokenizer
         self.timer = timer or StageTimer(enabled=settings.record_timings)
         self.vocab_size = target.vocab_size
-        # Positions one step's tree spans past the cached prefix (root included).
         self.block_size = 1 if self.drafter is None else self.drafter.block_size
+        # Cache rows one step's padded tree may take past the cached prefix (root included).
+        self.max_tree_tokens = {"ar": 1, "chain": self.block_size}.get(settings.mode, settings.budget + 1)
         self.max_seq_len = min(settings.max_seq_len, target.max_seq_len)
         self.scheduler = Scheduler(
             max_num_seqs=settings.max_num_seqs,
@@ -75,7 +76,7 @@ class SpecEngine:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt_ids) + self.block_size >= self.max_seq_len:
+        if len(prompt_ids) + self.max_tree_tokens > self.max_seq_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
                 f"max_seq_len={self.max_seq_len}"
@@ -239,7 +240,8 @@ class SpecEngine:
             self.drafter.release(slot)
 
     def _budget(self, request: Request) -> int:
-        return request.params.draft_budget or self.settings.budget
+        """The request's DDTree budget; the engine's budget is also the ceiling (cache room)."""
+        return min(request.params.draft_budget or self.settings.budget, self.settings.budget)
 
     def _top_k(self, request: Request) -> int:
         return min(self._budget(request), self.vocab_size)
@@ -255,8 +257,12 @@ class SpecEngine:
                 return self._budget(request) + 1
 
     def _max_output_tokens(self, request: Request) -> int:
-        """max_tokens, capped so every tree still fits: cached = prompt + output - 1 positions."""
-        room = self.max_seq_len - request.num_prompt_tokens - self.block_size + 1
+        """max_tokens, capped so every padded tree still fits in the slot.
+
+        Before a step the slot caches prompt + output - 1 tokens and the verify pass writes up
+        to `max_tree_tokens` rows after them.
+        """
+        room = self.max_seq_len - request.num_prompt_tokens - self.max_tree_tokens + 1
         return max(1, min(request.params.max_tokens, room))
 
 

@@ -1,0 +1,205 @@
+"""`AsyncLLM`: an asyncio streaming client over a `SpecEngine` stepped by a background thread.
+
+The server's coordinator holds one of these. Callers on an event loop add requests and read
+their outputs as async streams; one thread owns the engine (it is not thread-safe), applies
+queued adds and aborts between steps, and hands each step's outputs back to the callers' loops.
+The engine it drives may sit on in-process models or on Ray actor proxies: nothing here knows.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from ddtree_serve.engine.outputs import CompletionOutput, Detokenizer
+from ddtree_serve.engine.request import RequestOutput
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.scheduler import QueueFullError
+from ddtree_serve.engine.spec_engine import SpecEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised); no request can run."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+_SHUTDOWN = object()
+
+
+class _Stream:
+    """Where one request's outputs (or its error) go: a queue on the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe: deliver on the caller's loop."""
+        self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+
+
+class AsyncLLM:
+    """Streams speculative decoding outputs to asyncio callers; one engine thread per instance."""
+
+    def __init__(self, engine: SpecEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_queue_len = engine.settings.max_queue_len
+        self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._num_pending_adds = 0  # adds sent to the thread and not yet applied (under the lock)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------- caller side
+
+    async def generate_stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[CompletionOutput]:
+        """Yield the request's output after every step that changed it; the last is finished.
+
+        On first iteration it raises `QueueFullError` when `max_queue_len` requests already wait
+        and ValueError for an invalid request; `EngineDeadError` whenever the engine stops.
+        Leaving the iteration early (break, cancellation, disconnect) aborts the request.
+        """
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        stream = self._open_stream(request_id)
+        self._commands.put(_Add(request_id, prompt, params))
+        detokenizer = Detokenizer(self.tokenizer, params.stop)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.items.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield detokenizer.update(item)
+        finally:
+            self._close_stream(request_id)
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> CompletionOutput:
+        """The final output of one request."""
+        final: CompletionOutput | None = None
+        async for output in self.generate_stream(prompt, params, request_id):
+            final = output
+        assert final is not None, "a stream ends with a finished output"
+        return final
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request between steps; harmless if it already finished."""
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread after the current step; open streams get `EngineDeadError`."""
+        self._commands.put(_SHUTDOWN)
+        self._thread.join(timeout_s)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    @property
+    def num_active_requests(self) -> int:
+        """Requests with an open stream (waiting or running)."""
+        return len(self._streams)
+
+    def _open_stream(self, request_id: str) -> _Stream:
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            # engine.num_waiting is read across threads: a slightly stale count is fine for a limit.
+            if self._num_pending_adds + self.engine.num_waiting >= self.max_queue_len:
+                raise QueueFullError(f"request queue is full ({self.max_queue_len} waiting); retry later")
+            stream = _Stream(asyncio.get_running_loop())
+            self._streams[request_id] = stream
+            self._num_pending_adds += 1
+        return stream
+
+    def _close_stream(self, request_id: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+
+    # ----------------------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                commands = self._drain_commands(block=idle)
+                if any(c is _SHUTDOWN for c in commands):
+                    raise EngineDeadError("the engine was shut down")
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+        except BaseException as error:  # every open stream must learn why it ends
+            if not isinstance(error, EngineDeadError):
+                logger.exception("engine step failed; failing every open request")
+            self._error = error
+            with self._streams_lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.put(error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error)))
+
+    def _drain_commands(self, block: bool) -> list[object]:
+        commands: list[object] = []
+        if block:
+            commands.append(self._commands.get())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: object) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            return
+        assert isinstance(command, _Add)
+        with self._streams_lock:
+            self._num_pending_adds -= 1
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except (ValueError, QueueFullError) as error:
+            self._deliver(command.request_id, error)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._deliver(output.request_id, output)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)
