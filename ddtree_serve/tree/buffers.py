@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
@@ -92,7 +93,8 @@ def build_verify_batch(trees: Sequence[DraftTree], n_max: int | None = None) -> 
         if n > 1:
             _link_children(tree, next_token[b], next_sibling[b])
 
-    attn_mask = _ancestor_mask(parents, int(depths.max(initial=0)))
+    max_depth = int(depths.max(initial=0))
+    attn_mask = _ancestor_mask(parents, max_depth)
     planes_t = torch.from_numpy(planes)
     return VerifyBatch(
         tokens=planes_t[0],
@@ -102,8 +104,8 @@ def build_verify_batch(trees: Sequence[DraftTree], n_max: int | None = None) -> 
         retrieve_next_token=planes_t[4],
         retrieve_next_sibling=planes_t[5],
         attn_mask=torch.from_numpy(attn_mask),
-        num_nodes=torch.tensor(sizes, dtype=torch.int64),
-        max_depth=int(depths.max(initial=0)),
+        num_nodes=torch.from_numpy(np.array(sizes, dtype=np.int64)),
+        max_depth=max_depth,
     )
 
 
@@ -125,14 +127,24 @@ def _ancestor_mask(parents: np.ndarray, max_depth: int) -> np.ndarray:
     max_depth vectorised steps. Roots and padding point to themselves, which ends their walk.
     """
     batch_size, num_slots = parents.shape
-    self_index = np.broadcast_to(np.arange(num_slots, dtype=np.int64), parents.shape)
-    up = np.where(parents >= 0, parents, self_index).reshape(-1)  # [B*N] local parent or self
-    row_offsets = np.repeat(np.arange(batch_size, dtype=np.int64) * num_slots, num_slots)  # [B*N]
-    mask_rows = np.arange(batch_size * num_slots, dtype=np.int64) * num_slots  # flat row starts
+    self_index, row_offsets, mask_rows = _flat_indices(batch_size, num_slots)
+    up = np.where(parents.reshape(-1) >= 0, parents.reshape(-1), self_index)  # [B*N] parent or self
     mask = np.zeros(batch_size * num_slots * num_slots, dtype=np.bool_)
-    ancestor = self_index.reshape(-1).copy()  # [B*N] local index of the current ancestor
+    ancestor = self_index  # [B*N] local index of each node's current ancestor
     mask[mask_rows + ancestor] = True
     for _ in range(max_depth):
         ancestor = up[row_offsets + ancestor]
         mask[mask_rows + ancestor] = True
     return mask.reshape(batch_size, num_slots, num_slots)
+
+
+@cache
+def _flat_indices(batch_size: int, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per flat node b*N+i: its local index i, its tree's offset b*N, its mask row start (b*N+i)*N."""
+    flat = np.arange(batch_size * num_slots, dtype=np.int64)
+    local = flat % num_slots
+    offsets = flat - local
+    row_starts = flat * num_slots
+    for array in (local, offsets, row_starts):
+        array.flags.writeable = False
+    return local, offsets, row_starts

@@ -27,36 +27,39 @@ def build_ddtree(logp: Any, ids: Any, budget: int, root_token: int) -> DraftTree
     A candidate's logw is its parent's logw plus its own edge log-prob, so every logw is the
     left-to-right float sum of the edge log-probs on its path.
     """
-    logp_rows: list[list[float]] = logp.tolist()  # [L][K]
-    id_rows: list[list[int]] = ids.tolist()  # [L][K]
+    logp_rows: list[list[float]] = logp.tolist()  # [L][K]; ids are looked up once at the end
     num_levels = len(logp_rows)
     num_ranks = len(logp_rows[0]) if num_levels else 0
 
-    token_ids = [int(root_token)]
     depths = [0]
     parents = [-1]
+    ranks = [0]
     logws = [0.0]
     if num_levels == 0 or num_ranks == 0 or budget <= 0:
-        return _as_tree(token_ids, depths, parents, logws)
+        return _as_tree(np.array([root_token], dtype=np.int64), depths, parents, logws)
 
     # Heap entry: (-logw, rank path, parent node, depth, rank). Paths are unique, so comparison
     # never reaches the trailing fields.
     heap: list[tuple[float, tuple[int, ...], int, int, int]] = [(-logp_rows[0][0], (0,), 0, 1, 0)]
     push, pop = heapq.heappush, heapq.heappop
-    while heap and len(token_ids) <= budget:
+    num_nodes = 1
+    while heap and num_nodes <= budget:
         neg_logw, path, parent, depth, rank = pop(heap)
-        node = len(token_ids)
         logw = -neg_logw
-        token_ids.append(id_rows[depth - 1][rank])
         depths.append(depth)
         parents.append(parent)
+        ranks.append(rank)
         logws.append(logw)
         if rank + 1 < num_ranks:
             sibling_logw = logws[parent] + logp_rows[depth - 1][rank + 1]
             push(heap, (-sibling_logw, (*path[:-1], rank + 1), parent, depth, rank + 1))
         if depth < num_levels:
-            push(heap, (-(logw + logp_rows[depth][0]), (*path, 0), node, depth + 1, 0))
-    return _as_tree(token_ids, depths, parents, logws)
+            push(heap, (-(logw + logp_rows[depth][0]), (*path, 0), num_nodes, depth + 1, 0))
+        num_nodes += 1
+
+    depth_index = np.array(depths, dtype=np.int64)
+    token_ids = np.asarray(ids)[depth_index[1:] - 1, ranks[1:]]
+    return _as_tree(np.concatenate(([root_token], token_ids)).astype(np.int64), depths, parents, logws)
 
 
 def build_chain(ids_row0: Any, root_token: int, logp_row0: Any = None) -> DraftTree:
@@ -74,16 +77,16 @@ def build_chain(ids_row0: Any, root_token: int, logp_row0: Any = None) -> DraftT
         for edge_logp in np.asarray(logp_row0, dtype=np.float64).reshape(-1).tolist():
             logws.append(logws[-1] + edge_logp)
     return _as_tree(
-        [int(root_token), *chain_ids],
+        np.array([int(root_token), *chain_ids], dtype=np.int64),
         list(range(num_levels + 1)),
         list(range(-1, num_levels)),
         logws,
     )
 
 
-def _as_tree(token_ids: list[int], depths: list[int], parents: list[int], logws: list[float]) -> DraftTree:
+def _as_tree(token_ids: np.ndarray, depths: list[int], parents: list[int], logws: list[float]) -> DraftTree:
     return DraftTree(
-        token_ids=np.array(token_ids, dtype=np.int64),
+        token_ids=token_ids,
         depths=np.array(depths, dtype=np.int64),
         parents=np.array(parents, dtype=np.int64),
         logws=np.array(logws, dtype=np.float64),
