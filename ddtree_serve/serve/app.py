@@ -1,0 +1,56 @@
+"""`build_app`: one validated `ServeConfig` in, the Ray Serve `Application` out.
+
+Also the `serve run` entry point: `import_path: ddtree_serve.serve.app:build_app` with the
+config as the application's `args` (Serve validates them into `ServeConfig` through the typed
+argument). The Coordinator declares its own resources, so this stays generic.
+"""
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import HTTPOptions, gRPCOptions
+
+from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.coordinator import Coordinator
+from ddtree_serve.serve.ingress import Ingress
+from ddtree_serve.serve.workers import DrafterFactory, TargetFactory
+
+GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
+    "ddtree_serve.serve.protos.add_DDTreeServeServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+)
+
+
+def build_app(
+    config: ServeConfig,
+    target_factory: TargetFactory | None = None,
+    drafter_factory: DrafterFactory | None = None,
+) -> Application:
+    """Ingress -> Coordinator (one replica per speculation group); factories as in `Coordinator`."""
+    coordinator = serve.deployment(Coordinator, name="Coordinator").options(
+        **Coordinator.get_deployment_options(config)
+    )
+    ingress = serve.deployment(Ingress, name="Ingress").options(
+        num_replicas=config.ingress.num_replicas,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.ingress.num_cpus},
+    )
+    return ingress.bind(coordinator.bind(config, target_factory, drafter_factory), config)
+
+
+def http_options(config: ServeConfig) -> HTTPOptions:
+    return HTTPOptions(host=config.http.host, port=config.http.port)
+
+
+def grpc_options(config: ServeConfig) -> gRPCOptions:
+    return gRPCOptions(
+        port=config.grpc.port,
+        grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS),
+        enable_reflection=config.grpc.enable_reflection,
+    )
+
+
+def serve_start_options(config: ServeConfig) -> dict[str, Any]:
+    """Keyword arguments of `serve.start` for the proxies this application needs."""
+    return {"http_options": http_options(config), "grpc_options": grpc_options(config)}

@@ -1,0 +1,84 @@
+"""Ray metrics of one speculation group, exported on Ray's Prometheus endpoint.
+
+Created inside the Coordinator replica (`ray.serve.metrics` adds the deployment, replica and
+application tags). Names are prefixed `ddtree_`; Ray's exporter adds `ray_`.
+"""
+
+from collections.abc import Mapping, Sequence
+
+from ray.serve import metrics
+
+STEP_PHASES: tuple[str, ...] = ("draft", "build", "verify", "commit")
+_LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+
+
+class GroupMetrics:
+    """Per-step and per-request figures of one Coordinator's engine."""
+
+    def __init__(self, block_size: int, tree_budget: int) -> None:
+        # Tokens emitted per request per step lie in 1..block_size (accepted drafts + the bonus).
+        tokens_per_step_boundaries = [float(n) + 0.5 for n in range(1, max(block_size, 2) + 1)]
+        self.acceptance_length = metrics.Histogram(
+            "ddtree_acceptance_length",
+            description="Tokens one request committed in one step (accepted drafts + bonus); mean = tau.",
+            boundaries=tokens_per_step_boundaries,
+        )
+        self.accepted_tokens = metrics.Counter(
+            "ddtree_accepted_draft_tokens",
+            description="Draft tokens the target accepted, summed over requests and steps.",
+        )
+        self.tokens_per_step = metrics.Histogram(
+            "ddtree_tokens_per_step",
+            description="Tokens one engine step committed across its whole batch.",
+            boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+        )
+        self.step_latency = metrics.Histogram(
+            "ddtree_step_phase_seconds",
+            description="Wall time of one engine step phase (draft, build, verify, commit).",
+            boundaries=_LATENCY_BOUNDARIES_S,
+            tag_keys=("phase",),
+        )
+        self.active_requests = metrics.Gauge(
+            "ddtree_active_requests", description="Requests holding a KV slot (running)."
+        )
+        self.queued_requests = metrics.Gauge(
+            "ddtree_queued_requests", description="Requests admitted and waiting for a KV slot."
+        )
+        self.tree_budget = metrics.Gauge(
+            "ddtree_tree_budget", description="Default DDTree node budget per step."
+        )
+        self.finished_requests = metrics.Counter(
+            "ddtree_finished_requests",
+            description="Finished requests by finish reason.",
+            tag_keys=("finish_reason",),
+        )
+        self.rejected_requests = metrics.Counter(
+            "ddtree_rejected_requests",
+            description="Requests refused by the coordinator, by reason.",
+            tag_keys=("reason",),
+        )
+        self.tree_budget.set(tree_budget)
+        self.active_requests.set(0)
+        self.queued_requests.set(0)
+
+    def record_step(self, phase_seconds: Mapping[str, float], emitted_per_request: Sequence[int]) -> None:
+        """One engine step: phase wall times and the token count each running request committed."""
+        for phase, seconds in phase_seconds.items():
+            self.step_latency.observe(seconds, tags={"phase": phase})
+        for emitted in emitted_per_request:
+            self.acceptance_length.observe(emitted)
+        accepted = sum(max(emitted - 1, 0) for emitted in emitted_per_request)
+        if accepted:
+            self.accepted_tokens.inc(accepted)
+        if emitted_per_request:
+            self.tokens_per_step.observe(sum(emitted_per_request))
+
+    def record_load(self, num_running: int, num_waiting: int) -> None:
+        self.active_requests.set(num_running)
+        self.queued_requests.set(num_waiting)
+
+    def record_finish(self, finish_reason: str) -> None:
+        self.finished_requests.inc(tags={"finish_reason": finish_reason})
+
+    def record_rejection(self, reason: str) -> None:
+        self.rejected_requests.inc(tags={"reason": reason})

@@ -1,0 +1,68 @@
+"""`SpecEngine` with a per-step observer: phase intervals and per-request tokens after each step.
+
+The engine already times its stages through a `StageTimer`; `PhaseIntervals` keeps the wall
+clock interval of each stage of the current step instead of a running sum, and
+`ObservedEngine.step` hands them, with the step's outputs, to a callback that feeds metrics
+and trace spans. The step loop itself is untouched.
+"""
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ddtree_serve.engine.request import RequestOutput
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.engine.timing import StageTimer
+
+
+class PhaseIntervals(StageTimer):
+    """Records `(start_ns, end_ns)` of every stage of the step in progress (epoch nanoseconds)."""
+
+    def __init__(self) -> None:
+        super().__init__(enabled=True)
+        self.intervals_ns: dict[str, tuple[int, int]] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start_ns = time.time_ns()
+        try:
+            yield
+        finally:
+            self.intervals_ns[name] = (start_ns, time.time_ns())
+
+    def take(self) -> dict[str, tuple[int, int]]:
+        intervals, self.intervals_ns = self.intervals_ns, {}
+        return intervals
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did: its index, stage intervals and the outputs it produced."""
+
+    index: int
+    intervals_ns: dict[str, tuple[int, int]]
+    outputs: Sequence[RequestOutput]
+    num_running: int
+    num_waiting: int
+
+
+StepObserver = Callable[[StepRecord], None]
+
+
+class ObservedEngine(SpecEngine):
+    """A `SpecEngine` whose every step is reported to `observer` (called on the engine thread)."""
+
+    def __init__(self, *args: object, observer: StepObserver, **kwargs: object) -> None:
+        self._phases = PhaseIntervals()
+        super().__init__(*args, timer=self._phases, **kwargs)  # type: ignore[arg-type]
+        self._observer = observer
+        self._num_steps = 0
+
+    def step(self) -> list[RequestOutput]:
+        outputs = super().step()
+        self._num_steps += 1
+        self._observer(
+            StepRecord(self._num_steps, self._phases.take(), outputs, self.num_running, self.num_waiting)
+        )
+        return outputs

@@ -1,0 +1,59 @@
+"""What the ingress sends the Coordinator and what comes back, independent of HTTP or gRPC.
+
+Both protocol adapters turn their request into a `GenerationRequest` and render the
+`GenerationChunk` stream in their own format; the Coordinator never sees a wire format.
+"""
+
+from dataclasses import dataclass, field
+
+from ddtree_serve.engine.sampling_params import SamplingParams
+
+CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
+CHAT_END = "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    num_steps: int  # verify steps (draft + verify each); the prefill token is not one
+    acceptance_length: float  # mean tokens committed per step (tau)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def openai_dict(self) -> dict[str, int | float]:
+        """OpenAI `usage` plus the speculation figures."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "num_steps": self.num_steps,
+            "acceptance_length": self.acceptance_length,
+        }
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: str  # already rendered from chat messages for chat requests
+    sampling: SamplingParams
+    trace_carrier: dict[str, str] = field(default_factory=dict)  # W3C headers of the caller's span
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Text and tokens committed by one engine step; the last chunk carries finish and usage."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+def render_chat(messages: list[tuple[str, str]]) -> str:
+    """ChatML (the Qwen family's chat format), ending with the assistant's open turn."""
+    turns = "".join(f"<|im_start|>{role}\n{content}{CHAT_END}\n" for role, content in messages)
+    return turns + "<|im_start|>assistant\n"

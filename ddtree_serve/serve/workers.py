@@ -1,0 +1,183 @@
+"""Ray actors that own the models, and the adapters that make them look like the engine's seam.
+
+`TargetWorker` / `DrafterWorker` wrap the in-process `Target` / `Drafter` built by a factory
+(so tests inject fakes and the engine decides how models load). `RayTarget` / `RayDrafter`
+implement the same protocols in the Coordinator over the actor handles: the `SpecEngine` loop
+runs unchanged, Ray only adds transport.
+
+Context features never enter the Coordinator: `prefill` and `verify` have `num_returns=2`, the
+second return being the features, whose `ObjectRef` the engine forwards untouched inside its
+`ContextSlice`s to `DrafterWorker.draft`, which resolves them where they are used.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import ray
+import torch
+
+from ddtree_serve.engine.interfaces import (
+    ContextSlice,
+    Drafter,
+    DraftOutput,
+    PrefillOutput,
+    SamplingBatch,
+    Target,
+    VerifyOutput,
+)
+
+if TYPE_CHECKING:
+    from ddtree_serve.tree import VerifyBatch
+
+TargetFactory = Callable[[], Target]
+DrafterFactory = Callable[[], Drafter]
+
+
+@ray.remote
+class TargetWorker:
+    """Holds the target model and every slot's KV cache on its device(s)."""
+
+    def __init__(self, build_target: TargetFactory) -> None:
+        self._target = build_target()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "vocab_size": self._target.vocab_size,
+            "eos_token_ids": tuple(self._target.eos_token_ids),
+            "max_seq_len": self._target.max_seq_len,
+        }
+
+    @ray.method(num_returns=2)
+    def prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingBatch,
+        coins: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, Any]:
+        output = self._target.prefill(slots, prompts, sampling, coins)
+        return output.first_tokens, output.context
+
+    @ray.method(num_returns=2)
+    def verify(
+        self,
+        slots: Sequence[int],
+        batch: "VerifyBatch",
+        sampling: SamplingBatch,
+        coins: torch.Tensor | None,
+        coin_final: torch.Tensor | None,
+        return_context: bool,
+    ) -> tuple[VerifyOutput, Any]:
+        output = self._target.verify(slots, batch, sampling, coins, coin_final, return_context)
+        return dataclasses.replace(output, context=None), output.context
+
+    def release(self, slot: int) -> None:
+        self._target.release(slot)
+
+
+@ray.remote
+class DrafterWorker:
+    """Holds the DFlash drafter and every slot's context features on its device."""
+
+    def __init__(self, build_drafter: DrafterFactory) -> None:
+        self._drafter = build_drafter()
+
+    def describe(self) -> dict[str, Any]:
+        return {"block_size": self._drafter.block_size}
+
+    def draft(
+        self,
+        slots: Sequence[int],
+        bonus_tokens: torch.Tensor,
+        contexts: Sequence[ContextSlice],
+        top_k: int,
+    ) -> DraftOutput:
+        # The handles are ObjectRefs of target calls; fetch each distinct one once, here.
+        refs = list(dict.fromkeys(c.handle for c in contexts if isinstance(c.handle, ray.ObjectRef)))
+        resolved = dict(zip(refs, ray.get(refs), strict=True))
+        local = [
+            ContextSlice(resolved[c.handle] if isinstance(c.handle, ray.ObjectRef) else c.handle, c.index)
+            for c in contexts
+        ]
+        return self._drafter.draft(slots, bonus_tokens, local, top_k)
+
+    def release(self, slot: int) -> None:
+        self._drafter.release(slot)
+
+
+class RayTarget:
+    """`Target` over a `TargetWorker` handle; blocks the engine thread on each step's result."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+        info = ray.get(actor.describe.remote())
+        self._vocab_size: int = info["vocab_size"]
+        self._eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
+        self._max_seq_len: int = info["max_seq_len"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    def prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingBatch,
+        coins: torch.Tensor | None,
+    ) -> PrefillOutput:
+        first_tokens_ref, context_ref = self._actor.prefill.remote(list(slots), prompts, sampling, coins)
+        return PrefillOutput(first_tokens=ray.get(first_tokens_ref), context=context_ref)
+
+    def verify(
+        self,
+        slots: Sequence[int],
+        batch: "VerifyBatch",
+        sampling: SamplingBatch,
+        coins: torch.Tensor | None,
+        coin_final: torch.Tensor | None,
+        return_context: bool,
+    ) -> VerifyOutput:
+        output_ref, context_ref = self._actor.verify.remote(
+            list(slots), batch, sampling, coins, coin_final, return_context
+        )
+        output: VerifyOutput = ray.get(output_ref)
+        return dataclasses.replace(output, context=context_ref if return_context else None)
+
+    def release(self, slot: int) -> None:
+        # Fire and forget: calls from one caller run in submission order on the actor, so a
+        # later prefill into this slot always sees it released.
+        self._actor.release.remote(slot)
+
+
+class RayDrafter:
+    """`Drafter` over a `DrafterWorker` handle; forwards context ObjectRefs without fetching them."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+        self._block_size: int = ray.get(actor.describe.remote())["block_size"]
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def draft(
+        self,
+        slots: Sequence[int],
+        bonus_tokens: torch.Tensor,
+        contexts: Sequence[ContextSlice],
+        top_k: int,
+    ) -> DraftOutput:
+        return ray.get(self._actor.draft.remote(list(slots), bonus_tokens, list(contexts), top_k))
+
+    def release(self, slot: int) -> None:
+        self._actor.release.remote(slot)
