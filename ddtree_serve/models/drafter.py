@@ -1,0 +1,150 @@
+"""`DFlashDrafter`: the DFlash draft model over a per-slot cache of context keys/values.
+
+A slot's context is the target features of every token in the target's cache, in order
+(context token j sits at position j). Each `draft` call first appends the features of the
+tokens committed since the last call (their K/V per drafter layer, computed once), then runs
+the block `[bonus, MASK x L]` at positions `len .. len + L` against the whole context. The
+block's own K/V are never stored: drafting twice from the same context gives the same logits.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
+from ddtree_serve.models.kv_cache import SlotIndex, SlotKVCache
+from ddtree_serve.models.loading import load_draft_model, load_embedding_and_head
+
+
+class DFlashDrafter:
+    """Block drafting for a fixed number of request slots, with the target's embedding and head."""
+
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        embed_weight: torch.Tensor,
+        head_weight: torch.Tensor,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+    ) -> None:
+        """`embed_weight`, `head_weight`: the target's `[V, H]` token embedding and LM head."""
+        first = next(model.parameters())
+        self.model = model
+        self.config: DFlashConfig = model.config
+        decoder = self.config.decoder
+        if embed_weight.shape[1] != decoder.hidden_size:
+            raise ValueError(
+                f"drafter hidden size {decoder.hidden_size} differs from the target's {embed_weight.shape[1]}"
+            )
+        self.embed_weight = embed_weight
+        self.head_weight = head_weight
+        self.device = first.device
+        self.dtype = first.dtype
+        self.cache = SlotKVCache(
+            num_layers=decoder.num_hidden_layers,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            num_kv_heads=decoder.num_key_value_heads,
+            head_dim=decoder.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        drafter_path: str | Path,
+        target_path: str | Path,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "DFlashDrafter":
+        """Load the drafter's weights and borrow only the embedding and LM head of the target."""
+        model = load_draft_model(drafter_path, dtype=dtype, device=device)
+        embed, head = load_embedding_and_head(target_path, dtype=dtype, device=device)
+        return cls(model, embed, head, num_slots=num_slots, max_seq_len=max_seq_len)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    @property
+    def feature_dim(self) -> int:
+        return self.config.feature_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head_weight.shape[0]
+
+    def context_len(self, slot: int) -> int:
+        """Context tokens cached for the slot (equals the target's `seq_len` between steps)."""
+        return self.cache.lengths[slot]
+
+    def release(self, slot: int) -> None:
+        self.cache.release(slot)
+
+    @torch.inference_mode()
+    def append_context(self, slots: Sequence[int], new_context_features: Sequence[torch.Tensor]) -> None:
+        """Project and cache each slot's new context features `[n_b, F]` (all slots in one pass)."""
+        counts = [int(f.shape[0]) for f in new_context_features]
+        if sum(counts) == 0:
+            return
+        self.cache.check_room(slots, counts)
+        device = self.device
+        features = torch.cat([f.to(device=device, dtype=self.dtype) for f in new_context_features])  # [M, F]
+        starts = self.cache.slot_lengths(slots)
+        slot_rows = torch.repeat_interleave(
+            torch.tensor(list(slots), device=device), torch.tensor(counts, device=device)
+        )  # [M]
+        positions = torch.cat(
+            [torch.arange(s, s + n, device=device) for s, n in zip(starts, counts, strict=True)]
+        )
+        context_kv = self.model.context_key_values(features[None], positions[None])  # per layer [1, M, kv, d]
+        for layer, (keys, values) in enumerate(context_kv):
+            self.cache.write(layer, slot_rows, positions, keys[0], values[0])
+        for slot, n in zip(slots, counts, strict=True):
+            self.cache.lengths[slot] += n
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        slots: Sequence[int],
+        bonus_tokens: torch.Tensor,
+        new_context_features: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """Append the new context, then draft the block after each bonus -> logits `[B, L, V]`.
+
+        `bonus_tokens [B]`; `new_context_features[b] [n_b, F]`: target features of the tokens
+        committed to slot b since its last draft. Logits are in the model dtype, L = block_size - 1.
+        """
+        self.append_context(slots, new_context_features)
+        device = self.device
+        batch_size, block_size = len(slots), self.block_size
+        context_lens = self.cache.slot_lengths(slots)
+        num_context = max(context_lens)
+        block_ids = torch.full((batch_size, block_size), self.mask_token_id, dtype=torch.int64, device=device)
+        block_ids[:, 0] = bonus_tokens.to(device)
+        noise_embeds = F.embedding(block_ids, self.embed_weight) * self.config.input_embedding_scale
+        lens_t = torch.tensor(context_lens, dtype=torch.int64, device=device)[:, None]  # [B, 1]
+        positions = lens_t + torch.arange(block_size, device=device)  # [B, block]
+        # columns: context rows < len_b (longest context in the batch sets the width), then the block
+        context_visible = torch.arange(num_context, device=device) < lens_t  # [B, C]
+        block_visible = torch.ones(batch_size, block_size, dtype=torch.bool, device=device)
+        mask = torch.cat([context_visible, block_visible], dim=1)[:, None, :].expand(-1, block_size, -1)
+        index = SlotIndex(slots, device)
+        context_kv = [self.cache.read(layer, index, num_context) for layer in range(len(self.model.layers))]
+        hidden = self.model.forward_with_context_kv(noise_embeds, positions, mask, context_kv)
+        return F.linear(hidden[:, 1:], self.head_weight)
