@@ -1,17 +1,9 @@
-"""Hand-built verify inputs for model tests: random trees and the VerifyBatch fields the runner reads."""
+"""Random draft trees for model tests, turned into a real `VerifyBatch` by the tree package."""
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class TreeInputs:
-    """The `VerifyBatch` fields `TargetRunner.verify` consumes, padded like the tree package pads."""
-
-    tokens: torch.Tensor  # [B, N] int64, padding 0
-    depths: torch.Tensor  # [B, N] int64, padding 0
-    attn_mask: torch.Tensor  # [B, N, N] bool, padding rows see only themselves
+from ddtree_serve.tree import DraftTree, VerifyBatch, build_verify_batch
 
 
 def random_parents(num_nodes: int, generator: torch.Generator) -> list[int]:
@@ -27,16 +19,17 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def tree_inputs(trees: list[tuple[list[int], list[int]]], num_slots: int) -> TreeInputs:
-    """`trees[b] = (token_ids, parents)` -> padded inputs with ancestor masks."""
-    batch = len(trees)
-    tokens = torch.zeros(batch, num_slots, dtype=torch.int64)
-    depths = torch.zeros(batch, num_slots, dtype=torch.int64)
-    mask = torch.eye(num_slots, dtype=torch.bool).repeat(batch, 1, 1)
-    for b, (token_ids, parents) in enumerate(trees):
-        for i in range(len(token_ids)):
-            ancestors = path_to(parents, i)
-            tokens[b, i] = token_ids[i]
-            depths[b, i] = len(ancestors) - 1
-            mask[b, i, ancestors] = True
-    return TreeInputs(tokens, depths, mask)
+def tree_inputs(trees: list[tuple[list[int], list[int]]], num_slots: int) -> VerifyBatch:
+    """`trees[b] = (token_ids, parents)` -> a `VerifyBatch` padded to `num_slots` nodes."""
+    draft_trees = []
+    for token_ids, parents in trees:
+        depths = [len(path_to(parents, i)) - 1 for i in range(len(token_ids))]
+        draft_trees.append(
+            DraftTree(
+                token_ids=np.array(token_ids, dtype=np.int64),
+                depths=np.array(depths, dtype=np.int64),
+                parents=np.array(parents, dtype=np.int64),
+                logws=-np.arange(len(token_ids), dtype=np.float64),  # any order works for the model
+            )
+        )
+    return build_verify_batch(draft_trees, n_max=num_slots)
