@@ -22,12 +22,21 @@ GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
 )
 
 
-def build_app(
+def build_app(config: ServeConfig) -> Application:
+    """Ingress -> Coordinator (one replica per speculation group), models from `config.engine`.
+
+    Exactly one typed parameter: Serve's rule for `import_path` builders, which then validates
+    the YAML `args` into a `ServeConfig`.
+    """
+    return build_app_with_models(config)
+
+
+def build_app_with_models(
     config: ServeConfig,
     target_factory: TargetFactory | None = None,
     drafter_factory: DrafterFactory | None = None,
 ) -> Application:
-    """Ingress -> Coordinator (one replica per speculation group); factories as in `Coordinator`."""
+    """`build_app` with custom in-process model builders for the workers (as in `Coordinator`)."""
     coordinator = serve.deployment(Coordinator, name="Coordinator").options(
         **Coordinator.get_deployment_options(config)
     )

@@ -1,0 +1,100 @@
+"""Serving fixtures: one real local Ray cluster per test module, on free ports and its own temp dir.
+
+Ray allows one cluster per process, so the module that needs a cluster asks for `serve_cluster`
+once and shares the deployed application between its tests.
+"""
+
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import TinyModelDirs
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def tiny_serve_config(dirs: TinyModelDirs, **sections: Any) -> dict[str, Any]:
+    """ServeConfig fields for the tiny random pair, small limits, free ports; `sections` merge in."""
+    raw: dict[str, Any] = {
+        "model_name": "tiny",
+        "engine": {
+            "target": str(dirs.target),
+            "drafter": str(dirs.drafter),
+            "max_seq_len": 256,
+            "max_num_seqs": 4,
+            "max_queue_len": 8,
+            "budget": 16,
+        },
+        "http": {"port": free_port()},
+        "grpc": {"port": free_port()},
+    }
+    for name, section in sections.items():
+        raw[name] = {**raw.get(name, {}), **section} if isinstance(section, dict) else section
+    return raw
+
+
+@dataclass(frozen=True)
+class ServeCluster:
+    http_url: str
+    grpc_target: str
+    metrics_url: str
+    config: Any  # ServeConfig
+    temp_dir: Path
+
+
+def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterator[ServeCluster]:
+    """Starts Ray (fake GPUs: `num_gpus`), Serve with both proxies and the app; tears all down."""
+    import ray
+    from ray import serve
+
+    from ddtree_serve.serve.app import build_app, serve_start_options
+    from ddtree_serve.serve.config import ServeConfig
+
+    config = ServeConfig.model_validate(raw_config)
+    metrics_port = free_port()
+    temp_dir = Path(tempfile.mkdtemp(prefix="ddtree-ray-"))
+    ray.init(
+        num_cpus=2,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        _temp_dir=str(temp_dir),
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    try:
+        serve.start(**serve_start_options(config))
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        http_url = f"http://127.0.0.1:{config.http.port}"
+        _wait_until_healthy(http_url)
+        yield ServeCluster(
+            http_url=http_url,
+            grpc_target=f"127.0.0.1:{config.grpc.port}",
+            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            config=config,
+            temp_dir=temp_dir,
+        )
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _wait_until_healthy(http_url: str, attempts: int = 120) -> None:
+    for _ in range(attempts):
+        try:
+            if httpx.get(f"{http_url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail("the application never became healthy")
