@@ -132,3 +132,30 @@ def test_tiny_pair_drafts_from_target_features(tiny_target_dir: Path, tiny_draft
     draft_logits = drafter.draft([1], logits.argmax()[None], [features])
     assert draft_logits.shape == (1, drafter.block_size - 1, target.vocab_size)
     assert drafter.context_len(1) == target.seq_len(1)
+
+
+def test_side_by_side_training_blocks_equal_separate_drafts(zlab_dirs: tuple[Path, Path]) -> None:
+    """The stateless forward under a block mask: each block only sees its own context prefix."""
+    drafter = DFlashDrafter.from_pretrained(*zlab_dirs, num_slots=1, max_seq_len=8)
+    model, bs = drafter.model, 4
+    gen = torch.Generator().manual_seed(5)
+    context = torch.randn(1, 12, drafter.feature_dim, generator=gen)
+    anchors, anchor_tokens = [3, 8], [11, 22]
+    blocks = torch.tensor([[t] + [MASK_ID] * (bs - 1) for t in anchor_tokens]).view(1, -1)  # [1, 2 * bs]
+    positions = torch.cat([torch.arange(a, a + bs) for a in anchors])[None]
+    query_block = torch.arange(2 * bs) // bs
+    sees_context = torch.arange(12)[None, :] < torch.tensor(anchors)[query_block][:, None]
+    mask = torch.cat([sees_context, query_block[:, None] == query_block[None, :]], dim=1)[None]
+    with torch.no_grad():
+        joint = model(
+            F.embedding(blocks, drafter.embed_weight), positions, mask, context, torch.arange(12)[None]
+        )
+        for n, a in enumerate(anchors):
+            alone = model(
+                F.embedding(blocks[:, n * bs : (n + 1) * bs], drafter.embed_weight),
+                positions[:, n * bs : (n + 1) * bs],
+                torch.ones(1, bs, a + bs, dtype=torch.bool),
+                context[:, :a],
+                torch.arange(a)[None],
+            )
+            assert (joint[:, n * bs : (n + 1) * bs] - alone).abs().max() < 1e-4

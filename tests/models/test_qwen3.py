@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from ddtree_serve.models.layers import causal_mask
 from ddtree_serve.models.loading import load_target_model
@@ -25,3 +26,34 @@ def test_full_sequence_logits_match_transformers(tmp_path: Path, tie: bool) -> N
     features = context_features(out, (0, 1))
     hf_features = torch.cat([expected.hidden_states[1], expected.hidden_states[2]], dim=-1)
     assert (features - hf_features).abs().max() < 1e-4
+
+
+def test_llama_with_llama3_rope_matches_transformers(tmp_path: Path) -> None:
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 500000.0,
+    }
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_scaling=rope,
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    hf_model.save_pretrained(tmp_path)
+    ours = load_target_model(tmp_path)
+    assert ours.model.layers[0].self_attn.q_norm is None
+    input_ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf_model(input_ids).logits
+        logits = ours.logits(ours(input_ids, torch.arange(40)[None], causal_mask(40)).hidden)
+    assert (logits - expected).abs().max() < 1e-4
