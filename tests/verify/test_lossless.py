@@ -59,14 +59,12 @@ def make_trees(generator: torch.Generator, kind: str) -> list[DraftTree]:
     return trees
 
 
-def node_probs(
-    batch: VerifyBatch, first_row: torch.Tensor, target: TargetModel, generator: torch.Generator
-) -> torch.Tensor:
-    """[B, N, V]: `first_row` [B, V] at the root, P_next[token] at depth 1, random rows deeper."""
+def node_probs(batch: VerifyBatch, target: TargetModel, generator: torch.Generator) -> torch.Tensor:
+    """[B, N, V]: P0 at the root, P_next[token] at depth 1, random rows deeper."""
     batch_size, num_slots = batch.tokens.shape
     deeper = torch.softmax(torch.randn(batch_size, num_slots, VOCAB, generator=generator) * 1.5, dim=-1)
     probs = torch.where((batch.depths == 1).unsqueeze(-1), target.next_probs[batch.tokens], deeper)
-    probs[:, 0] = first_row
+    probs[:, 0] = target.root_probs
     return probs
 
 
@@ -102,8 +100,8 @@ def sample_two_tokens(
     generator = torch.Generator().manual_seed(seed)
     step1 = build_verify_batch(make_trees(generator, kind))
     step2 = build_verify_batch(make_trees(generator, kind))
-    probs1 = node_probs(step1, target.root_probs.expand(NUM_TREES, VOCAB), target, generator)
-    step1, probs1 = repeat_batch(step1, DRAWS_PER_TREE), probs1.repeat(DRAWS_PER_TREE, 1, 1)
+    probs1 = node_probs(step1, target, generator).repeat(DRAWS_PER_TREE, 1, 1)
+    step1 = repeat_batch(step1, DRAWS_PER_TREE)
     num_draws = step1.batch_size
     coins = torch.rand(num_draws, step1.num_slots, generator=generator)
     result1 = verify_sampling(
@@ -112,8 +110,9 @@ def sample_two_tokens(
     first = emitted_at(step1, result1, 0)
 
     # Step 2 is rooted at `first`: its root row is P_next[first].
+    probs2 = node_probs(step2, target, generator).repeat(DRAWS_PER_TREE, 1, 1)
+    probs2[:, 0] = target.next_probs[first]
     step2 = repeat_batch(step2, DRAWS_PER_TREE)
-    probs2 = node_probs(step2, target.next_probs[first], target, generator)
     coins2 = torch.rand(num_draws, step2.num_slots, generator=generator)
     result2 = verify_sampling(
         step2, probs2, coins2, torch.rand(num_draws, generator=generator), 1.0, threshold_acc
