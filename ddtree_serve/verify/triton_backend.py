@@ -33,17 +33,17 @@ def _tree_walk_kernel(
     request = tl.program_id(0).to(tl.int64)
     node_base = request * num_slots
     accept_base = request * (max_depth + 1)
-    tl.store(accept_index_ptr + accept_base, 0)
 
     # Loop-carried scalars start as int64 tensors (integer args equal to 1 arrive as constants).
     current = tl.load(next_token_ptr + node_base) * 0  # local index of the last accepted node
+    tl.store(accept_index_ptr + accept_base, current)
     num_accepted = current
     level = current + 1
     walking = level <= max_depth
     while walking:
         coin = tl.load(coins_ptr + node_base + current)
         row = (node_base + current) * vocab_size
-        acc = tl.zeros((), dtype=tl.float32)
+        acc = coin * 0.0  # float32 running sum of the children's target probabilities
         chosen = current * 0 - 1
         child = tl.load(next_token_ptr + node_base + current)
         while child >= 0:
