@@ -107,7 +107,9 @@ class DecoderOutput:
     """Final (normed) hidden states and the raw outputs of the requested decoder layers."""
 
     hidden: torch.Tensor  # [B, T, H], after the final norm
-    layer_hidden: dict[int, torch.Tensor]  # layer id -> [B, T, H], that layer's output, pre-norm
+    # layer id i -> [B, T, H], HF's hidden_states[i + 1]: layer i's output (the last layer's
+    # after the final norm, as HF reports it)
+    layer_hidden: dict[int, torch.Tensor]
 
 
 class Qwen3Model(nn.Module):
@@ -156,7 +158,11 @@ class Qwen3ForCausalLM(nn.Module):
             h = layer(h, cos, sin, mask, kv_store)
             if i in wanted:
                 layer_hidden[i] = h
-        return DecoderOutput(hidden=self.model.norm(h), layer_hidden=layer_hidden)
+        hidden = self.model.norm(h)
+        last = len(self.model.layers) - 1
+        if last in wanted:  # HF's hidden_states[-1] is taken after the final norm
+            layer_hidden[last] = hidden
+        return DecoderOutput(hidden=hidden, layer_hidden=layer_hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[..., H]` -> `[..., V]` in the model dtype."""
@@ -166,8 +172,8 @@ class Qwen3ForCausalLM(nn.Module):
 def context_features(output: DecoderOutput, target_layer_ids: tuple[int, ...]) -> torch.Tensor:
     """DFlash context features: the listed layers' outputs concatenated -> `[B, T, len(ids) * H]`.
 
-    A layer id i is HF's `hidden_states[i + 1]` (the output of decoder layer i), the
-    convention of z-lab DFlash configs' `target_layer_ids`.
+    A layer id i is HF's `hidden_states[i + 1]` (the output of decoder layer i; for the last
+    layer, after the final norm), the convention of z-lab DFlash configs' `target_layer_ids`.
     """
     if not target_layer_ids:
         return output.hidden.new_zeros(*output.hidden.shape[:-1], 0)

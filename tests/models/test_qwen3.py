@@ -19,12 +19,12 @@ def test_full_sequence_logits_match_transformers(tmp_path: Path, tie: bool) -> N
     input_ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf_model(input_ids, output_hidden_states=True)
-        out = ours(input_ids, torch.arange(11).expand(2, 11), causal_mask(11), output_layer_ids=(0, 1))
+        out = ours(input_ids, torch.arange(11).expand(2, 11), causal_mask(11), output_layer_ids=(0, 2))
         logits = ours.logits(out.hidden)
     assert (logits - expected.logits).abs().max() < 1e-4
-    # DFlash feature convention: layer id i is HF hidden_states[i + 1]
-    features = context_features(out, (0, 1))
-    hf_features = torch.cat([expected.hidden_states[1], expected.hidden_states[2]], dim=-1)
+    # DFlash feature convention: layer id i is HF hidden_states[i + 1] (the last one normed)
+    features = context_features(out, (0, 2))
+    hf_features = torch.cat([expected.hidden_states[1], expected.hidden_states[3]], dim=-1)
     assert (features - hf_features).abs().max() < 1e-4
 
 
