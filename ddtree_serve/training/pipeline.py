@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
+from ddtree_serve.models.loading import load_target_model
 from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from ddtree_serve.training.corpus import load_corpus, stdlib_root
 from ddtree_serve.training.data import encode_stream
@@ -35,18 +36,6 @@ from ddtree_serve.training.tokenizer import save_tokenizer, special_token_ids, t
 
 STAGES = ("tokenizer", "target", "drafter")
 NUM_DRAFTER_EVAL_ROWS = 64
-
-
-def load_target_dir(target_dir: Path, device: torch.device) -> Qwen3ForCausalLM:
-    """A previously trained target (float32 master weights) from its HF-style directory."""
-    from safetensors.torch import load_file
-
-    model = Qwen3ForCausalLM(Qwen3Config.from_json_file(target_dir / "config.json"))
-    state = load_file(str(target_dir / "model.safetensors"))
-    if model.config.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    return model.to(device)
 
 
 def train_pair(
@@ -112,7 +101,7 @@ def train_pair(
     target_config = target_hf_config(recipe, eos_id, STORAGE_DTYPE_NAME)
     schedule = recipe.target_training
     if target_from is not None:
-        target = load_target_dir(target_from, device)
+        target = load_target_model(target_from, dtype=torch.float32, device=device)
         heldout = heldout_lm_loss(target, heldout_stream, schedule.seq_len, schedule.batch_size)
         report["target"] = {"reused_from": str(target_from), "heldout_loss": heldout}
     else:

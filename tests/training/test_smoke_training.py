@@ -8,9 +8,9 @@ import pytest
 from safetensors import safe_open
 
 from ddtree_serve.models.dflash import DFlashConfig
+from ddtree_serve.models.loading import load_draft_model, load_target_model
 from ddtree_serve.models.qwen3 import Qwen3Config
 from ddtree_serve.training.__main__ import main
-from ddtree_serve.training.pipeline import load_target_dir
 
 
 @pytest.mark.slow
@@ -43,5 +43,5 @@ def test_smoke_run_writes_a_loadable_pair_and_a_report(tmp_path: Path) -> None:
     assert (again / "target" / "tokenizer.json").read_bytes() == (
         out / "target" / "tokenizer.json"
     ).read_bytes()
-    reloaded = load_target_dir(again / "target", "cpu")
-    assert reloaded.config.vocab_size == target_config.vocab_size
+    assert load_target_model(again / "target").config.vocab_size == target_config.vocab_size
+    assert load_draft_model(again / "drafter").config.block_size == drafter_config.block_size
