@@ -123,18 +123,22 @@ def _link_children(tree: DraftTree, next_token: np.ndarray, next_sibling: np.nda
 def _ancestor_mask(parents: np.ndarray, max_depth: int) -> np.ndarray:
     """[B, N, N] bool: [b, i, j] is True iff j == i or j is an ancestor of i.
 
-    Walks every node up one parent per iteration, all nodes of all trees at once, so the cost is
-    max_depth vectorised steps. Roots and padding point to themselves, which ends their walk.
+    Pointer doubling: after step s every row holds the ancestors within distance 2**s, and
+    row i gains row `jump[i]` (its ancestor at distance 2**s), so ceil(log2(max_depth)) vectorised
+    steps cover the deepest tree. Roots and padding point to themselves, which ends their walk.
     """
     batch_size, num_slots = parents.shape
     self_index, row_offsets, mask_rows = _flat_indices(batch_size, num_slots)
-    up = np.where(parents.reshape(-1) >= 0, parents.reshape(-1), self_index)  # [B*N] parent or self
-    mask = np.zeros(batch_size * num_slots * num_slots, dtype=np.bool_)
-    ancestor = self_index  # [B*N] local index of each node's current ancestor
-    mask[mask_rows + ancestor] = True
-    for _ in range(max_depth):
-        ancestor = up[row_offsets + ancestor]
-        mask[mask_rows + ancestor] = True
+    flat_parents = parents.reshape(-1)
+    jump = row_offsets + np.where(flat_parents >= 0, flat_parents, self_index)  # [B*N] flat parent/self
+    mask = np.zeros((batch_size * num_slots, num_slots), dtype=np.bool_)  # row b*N+i
+    mask.reshape(-1)[mask_rows + self_index] = True
+    mask.reshape(-1)[mask_rows + jump - row_offsets] = True
+    reach = 1  # rows now hold every ancestor within distance `reach`
+    while reach < max_depth:
+        mask |= mask[jump]
+        jump = jump[jump]
+        reach *= 2
     return mask.reshape(batch_size, num_slots, num_slots)
 
 

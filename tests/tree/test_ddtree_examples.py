@@ -103,3 +103,10 @@ def test_draft_topk_normalises_over_full_vocab() -> None:
     assert torch.allclose(logp, full.gather(1, ids))
     batched_logp, batched_ids = draft_topk(logits.expand(3, 2, 4), 9)
     assert batched_logp.shape == (3, 2, 4) and batched_ids.shape == (3, 2, 4)
+
+
+def test_long_chain_mask_is_lower_triangular() -> None:
+    for num_levels in (1, 2, 7, 15, 16, 33):
+        batch = build_verify_batch([build_chain(np.arange(num_levels), root_token=0)])
+        expected = torch.tril(torch.ones(num_levels + 1, num_levels + 1, dtype=torch.bool))
+        assert torch.equal(batch.attn_mask[0], expected)
