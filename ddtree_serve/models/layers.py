@@ -121,6 +121,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, expand_kv: bool
+) -> torch.Tensor:
+    """Masked GQA: `q [B, T, h, d]`, `k/v [B, S, kv_h, d]`, `mask [B, T, S]` -> `[B, T, h, d]`.
+
+    With a mask, CUDA's fused SDPA kernels reject `enable_gqa` and fall back to the math
+    kernel (which materialises the scores), so on CUDA the K/V heads are repeated instead
+    (`expand_kv`) and the memory-efficient kernel runs. On CPU `enable_gqa` avoids the copy.
+    """
+    num_groups = q.shape[2] // k.shape[2]
+    if expand_kv and num_groups > 1:
+        k = k.repeat_interleave(num_groups, dim=2)
+        v = v.repeat_interleave(num_groups, dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with optional Qwen3 q/k norms and an explicit boolean mask.
 
@@ -164,14 +187,8 @@ class Attention(nn.Module):
 
         Every mask row must allow at least one column, or that row's output is NaN.
         """
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask[:, None],
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        out = grouped_attention(q, k, v, mask, expand_kv=q.device.type == "cuda")
+        return self.o_proj(out.flatten(2))
 
     def forward(
         self,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from ddtree_serve.models.layers import causal_mask
+from ddtree_serve.models.layers import causal_mask, grouped_attention
 from ddtree_serve.models.loading import load_target_model
 from ddtree_serve.models.qwen3 import context_features
 from tests.models.hf_qwen3 import save_hf_qwen3
@@ -57,3 +57,16 @@ def test_llama_with_llama3_rope_matches_transformers(tmp_path: Path) -> None:
         expected = hf_model(input_ids).logits
         logits = ours.logits(ours(input_ids, torch.arange(40)[None], causal_mask(40)).hidden)
     assert (logits - expected).abs().max() < 1e-4
+
+
+def test_expanded_and_grouped_kv_attention_agree() -> None:
+    """The CUDA path (repeated K/V heads) and the CPU path (enable_gqa) compute the same thing."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, h, 8, generator=gen) for h in (4, 2, 2))
+    mask = torch.rand(2, 5, 2, generator=gen) > 0.5
+    mask = torch.cat([mask, torch.ones(2, 5, 1, dtype=torch.bool)], dim=2)  # [2, 5, 3], no empty row
+    k, v = k[:, :3], v[:, :3]
+    grouped = grouped_attention(q, k, v, mask, expand_kv=False)
+    expanded = grouped_attention(q, k, v, mask, expand_kv=True)
+    assert grouped.shape == (2, 5, 4, 8)
+    assert (grouped - expanded).abs().max() < 1e-5
