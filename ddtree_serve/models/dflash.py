@@ -61,7 +61,8 @@ class DFlashConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> "DFlashConfig":
         extra = cfg.get("dflash_config") or {}
         read = lambda name, default=None: extra.get(name, cfg.get(name, default))
-        decoder = Qwen3Config.from_dict(cfg)
+        # DFlash layers are Qwen3 layers (q/k norms) whatever family the target is from
+        decoder = Qwen3Config.from_dict({**cfg, "model_type": "qwen3"})
         mask_token_id = read("mask_token_id")
         if mask_token_id is None:
             raise ValueError("DFlash config must define dflash_config.mask_token_id")

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ddtree_serve.models.dflash import DFlashConfig
 from ddtree_serve.models.drafter import DFlashDrafter
 from ddtree_serve.models.loading import read_config
 from ddtree_serve.models.random_weights import write_random_drafter_dir, write_random_target_dir
@@ -159,3 +160,14 @@ def test_side_by_side_training_blocks_equal_separate_drafts(zlab_dirs: tuple[Pat
                 torch.arange(a)[None],
             )
             assert (joint[:, n * bs : (n + 1) * bs] - alone).abs().max() < 1e-4
+
+
+def test_config_variants_parse_like_zlab() -> None:
+    config = zlab_b16_config()
+    moved = {**config, "model_type": "llama", "mask_token_id": MASK_ID, "dflash_config": {}}
+    parsed = DFlashConfig.from_dict(moved)  # fields at the top level, Llama-family target
+    assert parsed.decoder.qk_norm and parsed.mask_token_id == MASK_ID
+    assert parsed.target_layer_ids == tuple(LAYER_IDS)  # DFlash's default spread for 36 -> 5 layers
+    assert parsed.feature_dim == 5 * HIDDEN
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashConfig.from_dict({**config, "dflash_config": {}})
