@@ -95,7 +95,6 @@ class TargetRunner:
     def release(self, slot: int) -> None:
         self.cache.release(slot)
 
-    @torch.inference_mode()
     def prefill(
         self, slot: int, token_ids: Sequence[int] | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,19 +103,44 @@ class TargetRunner:
         On an empty slot this caches a prompt; on a non-empty one it extends the cached text
         (chunked prefill, or a plain decode step with one token).
         """
-        tokens = torch.as_tensor(token_ids, dtype=torch.int64).to(self.device)[None]  # [1, T]
-        num_new = tokens.shape[1]
-        self.cache.check_room([slot], num_new)
-        start = self.cache.lengths[slot]
-        positions = start + torch.arange(num_new, device=self.device)[None]  # [1, T]
-        num_rows = start + num_new
-        # query t sees cache rows [0, start + t]
-        mask = torch.arange(num_rows, device=self.device)[None, None, :] <= positions[..., None]
-        writer = CacheWriter(self.cache, SlotIndex([slot], self.device), positions, num_rows)
+        logits, features = self.prefill_batch([slot], [token_ids])
+        return logits[0], features[0]
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self, slots: Sequence[int], token_ids: Sequence[Sequence[int] | torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`prefill` for several slots in one forward -> (logits `[B, V]`, features `[T_b, F]` each).
+
+        Rows are right-padded to the longest; padding writes only scratch rows past each
+        slot's new length and is masked out of every real query.
+        """
+        rows = [torch.as_tensor(ids, dtype=torch.int64) for ids in token_ids]
+        counts = [int(r.shape[0]) for r in rows]
+        if min(counts) < 1:
+            raise ValueError("prefill needs at least one token per slot")
+        width = max(counts)
+        self.cache.check_room(slots, width)
+        device = self.device
+        tokens = torch.zeros(len(rows), width, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            tokens[b, : counts[b]] = row
+        tokens = tokens.to(device)  # [B, T]
+        start_list = self.cache.slot_lengths(slots)
+        starts = torch.tensor(start_list, dtype=torch.int64, device=device)[:, None]  # [B, 1]
+        positions = starts + torch.arange(width, device=device)  # [B, T]
+        num_rows = max(start_list) + width
+        # query t of row b sees cache rows [0, start_b + t]
+        mask = torch.arange(num_rows, device=device)[None, None, :] <= positions[..., None]  # [B, T, rows]
+        writer = CacheWriter(self.cache, SlotIndex(slots, device), positions, num_rows)
         out = self.model(tokens, positions, mask, writer, self.target_layer_ids)
-        self.cache.lengths[slot] = num_rows
-        logits = self.model.logits(out.hidden[0, -1])
-        return logits, context_features(out, self.target_layer_ids)[0]
+        for slot, start, count in zip(slots, start_list, counts, strict=True):
+            self.cache.lengths[slot] = start + count
+        last = torch.tensor(counts, device=device) - 1  # [B]
+        batch_index = torch.arange(len(rows), device=device)
+        logits = self.model.logits(out.hidden[batch_index, last])  # [B, V]
+        features = context_features(out, self.target_layer_ids)  # [B, T, F]
+        return logits, [features[b, : counts[b]] for b in range(len(rows))]
 
     @torch.inference_mode()
     def verify(

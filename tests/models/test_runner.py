@@ -117,3 +117,18 @@ def test_overflowing_the_slot_is_refused(tiny_target_dir: Path) -> None:
     runner.prefill(0, list(range(6)))
     with pytest.raises(ValueError, match="max_seq_len"):
         runner.verify([0], tree_inputs([([1, 2, 3], [-1, 0, 1])], num_slots=3), [6])
+
+
+def test_batched_prefill_equals_one_slot_at_a_time(tiny_target_dir: Path) -> None:
+    runner = TargetRunner.from_pretrained(
+        tiny_target_dir, num_slots=3, max_seq_len=32, target_layer_ids=LAYER_IDS
+    )
+    runner.prefill(2, [9, 8, 7])  # slot 2 already holds text: the batch extends it
+    prompts = [[1, 2, 3, 4, 5, 6], [40, 41], [10, 11, 12]]
+    logits, features = runner.prefill_batch([0, 1, 2], prompts)
+    assert [runner.seq_len(s) for s in (0, 1, 2)] == [6, 2, 6]
+    for b, text in enumerate([prompts[0], prompts[1], [9, 8, 7, *prompts[2]]]):
+        ref_logits, ref_features = full_forward(runner, text)
+        assert (logits[b] - ref_logits[-1]).abs().max() < TOL
+        assert features[b].shape == (len(prompts[b]), runner.feature_dim)
+        assert (features[b] - ref_features[-len(prompts[b]) :]).abs().max() < TOL
