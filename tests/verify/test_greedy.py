@@ -2,6 +2,8 @@
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddtree_serve.tree import DraftTree, build_chain, build_ddtree, build_verify_batch, draft_topk
 from ddtree_serve.verify import target_probs, verify_greedy, verify_sampling
@@ -108,16 +110,18 @@ def test_sampling_at_temperature_zero_equals_greedy() -> None:
         assert torch.equal(sampled.bonus_token, greedy.bonus_token)
 
 
-def test_chain_greedy_is_dflash_cumprod_rule() -> None:
-    generator = torch.Generator().manual_seed(5)
-    num_levels = 6
-    for _ in range(30):
-        draft = torch.randint(0, 3, (num_levels,), generator=generator)
-        chain = build_chain(draft, root_token=0)
-        batch = build_verify_batch([chain])
-        logits = torch.randn(1, num_levels + 1, 3, generator=generator)
-        target = logits.argmax(-1)[0]  # target's prediction after each chain node
-        dflash_accepted = int(torch.cumprod((draft == target[:num_levels]).long(), dim=0).sum())
-        result = verify_greedy(batch, logits)
-        assert int(result.accept_len[0]) == dflash_accepted
-        assert int(result.bonus_token[0]) == int(target[dflash_accepted])
+@settings(max_examples=200, deadline=None)
+@given(
+    draft=st.lists(st.integers(0, 2), min_size=0, max_size=8),
+    data=st.data(),
+)
+def test_chain_greedy_is_dflash_cumprod_rule(draft: list[int], data: st.DataObject) -> None:
+    # Target's argmax after the root and after each chain node: L + 1 predictions.
+    target = data.draw(st.lists(st.integers(0, 2), min_size=len(draft) + 1, max_size=len(draft) + 1))
+    batch = build_verify_batch([build_chain(np.array(draft, dtype=np.int64), root_token=0)])
+    logits = torch.nn.functional.one_hot(torch.tensor(target), 3).float().unsqueeze(0)  # [1, L+1, 3]
+    draft_t, target_t = torch.tensor(draft, dtype=torch.int64), torch.tensor(target)
+    dflash_accepted = int(torch.cumprod((draft_t == target_t[: len(draft)]).long(), dim=0).sum())
+    result = verify_greedy(batch, logits)
+    assert int(result.accept_len[0]) == dflash_accepted
+    assert result.emitted_tokens(batch) == [target[: dflash_accepted + 1]]
