@@ -46,8 +46,8 @@ def test_batched_with_requests_joining_midway_matches_plain_greedy(
     assert sorted(set(target.verify_batch_sizes)) == [1, 2, 3]
 
 
-def test_real_drafter_batched_ddtree_matches_plain_greedy(make_tiny_config, prompt_ids, greedy_references):
-    engine = build_local_engine(make_tiny_config(mode="ddtree", budget=6, max_num_seqs=2))
+def test_real_drafter_batched_ddtree_matches_plain_greedy(make_pair_config, prompt_ids, greedy_references):
+    engine = build_local_engine(make_pair_config(mode="ddtree", budget=6, max_num_seqs=2))
     for i, prompt in enumerate(prompt_ids):
         engine.add_request(str(i), prompt, GREEDY)
     outputs = run_to_completion(engine)

@@ -13,9 +13,9 @@ from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
-from ddtree_serve.models import TargetRunner, bundled_drafter_dir, bundled_target_dir, load_tokenizer
+from ddtree_serve.models import TargetRunner, bundled_target_dir, load_tokenizer
 from ddtree_serve.verify import target_probs
-from tests.engine.conftest import run_to_completion
+from tests.engine.conftest import bundled_pair_present, run_to_completion
 
 NUM_SAMPLES = 300  # ddtree samples; test_chi_square_has_power_against_eager_acceptance sizes it
 NUM_TOKENS = 3
@@ -74,12 +74,6 @@ def chi_square_pvalue(statistic: float, dof: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
 
 
-def bundled_pair_present() -> bool:
-    return (bundled_target_dir() / "config.json").exists() and (
-        bundled_drafter_dir() / "config.json"
-    ).exists()
-
-
 @dataclass(frozen=True)
 class SamplingSetup:
     """The DDTree engine to test, the target it must match, the prompt and the sampling params."""
@@ -91,7 +85,7 @@ class SamplingSetup:
 
 
 @pytest.fixture(scope="module")
-def sampling_setup(make_oracle_engine, tiny_target_dir, prompt_ids) -> SamplingSetup:
+def sampling_setup(make_oracle_engine, pair_dirs, prompt_ids) -> SamplingSetup:
     """The bundled pair with its own drafter when present; else the tiny target + oracle drafter.
 
     The random tiny target is nearly uniform, so its test keeps top_k = 2 to leave the oracle's
@@ -118,7 +112,7 @@ def sampling_setup(make_oracle_engine, tiny_target_dir, prompt_ids) -> SamplingS
 
     return SamplingSetup(
         make_tree_engine=make_oracle_tree,
-        target_dir=tiny_target_dir,
+        target_dir=pair_dirs[0],
         prompt=prompt_ids[0],
         params=SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_k=2, ignore_eos=True),
     )
