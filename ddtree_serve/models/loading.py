@@ -75,6 +75,8 @@ def load_tensors(
 
 def _assign_weights(module: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Assign `tensors` to a meta-device module; every parameter must be covered, exactly."""
+    # old Llama checkpoints store RoPE frequencies, which the model recomputes
+    tensors = {k: t for k, t in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     expected = set(module.state_dict().keys())
     missing, unexpected = expected - tensors.keys(), tensors.keys() - expected
     if missing or unexpected:
