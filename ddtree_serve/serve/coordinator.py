@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -45,6 +46,7 @@ COORDINATOR_BUNDLE, DRAFTER_BUNDLE, TARGET_BUNDLE = 0, 1, 2
 # Serve-level headroom above the engine's own limit, so the engine (not Serve's queue) refuses
 # the request that overflows and the caller gets 503 / RESOURCE_EXHAUSTED at once.
 _ONGOING_HEADROOM = 4
+_GAUGE_INTERVAL_S = 1.0
 
 
 class Coordinator:
@@ -110,6 +112,7 @@ class Coordinator:
         self._spans: dict[str, Span] = {}
         self._spans_lock = threading.Lock()
         self._ids = itertools.count()
+        self._num_cancelled = 0  # requests whose caller went away before they finished
         # Tokens each running request's verify steps produced so far (engine thread only).
         self._step_tokens: dict[str, int] = {}
         tokenizer = load_tokenizer(target_dir(engine_config))
@@ -118,6 +121,8 @@ class Coordinator:
         )
         self._llm = AsyncLLM(engine)
         self._engine = engine
+        if self._metrics is not None:
+            threading.Thread(target=self._refresh_load_gauges, name="ddtree-gauges", daemon=True).start()
 
     def _start_workers(
         self, target_factory: TargetFactory, drafter_factory: DrafterFactory | None
@@ -205,6 +210,7 @@ class Coordinator:
                 raise RequestError(ErrorKind.INTERNAL, f"the engine stopped: {error}") from error
             except (asyncio.CancelledError, GeneratorExit):
                 logger.info("request %s cancelled by the caller; aborting", request.request_id)
+                self._num_cancelled += 1
                 if self._metrics is not None:
                     self._metrics.record_finish("abort")
                 raise
@@ -221,7 +227,6 @@ class Coordinator:
         if self._metrics is not None:
             phases = {name: (end - start) / 1e9 for name, (start, end) in record.intervals_ns.items()}
             self._metrics.record_step(phases, self._tokens_this_step(record))
-            self._metrics.record_load(record.num_running, record.num_waiting)
         if self._tracing.enabled:
             phases_ns = {
                 name: interval for name, interval in record.intervals_ns.items() if name != "schedule"
@@ -230,6 +235,14 @@ class Coordinator:
                 spans = [self._spans.get(output.request_id) for output in record.outputs]
             for span in spans:
                 self._tracing.record_phases(span, phases_ns, record.index)
+
+    def _refresh_load_gauges(self) -> None:
+        """Gauge thread: running/queued counts every second (read across threads; a stale
+        count is fine for a gauge) for as long as the engine runs."""
+        assert self._metrics is not None
+        while self._llm.is_running:
+            self._metrics.record_load(self._engine.num_running, self._engine.num_waiting)
+            time.sleep(_GAUGE_INTERVAL_S)
 
     def _tokens_this_step(self, record: StepRecord) -> list[int]:
         """Tokens each request's verify produced this step, before stop truncation (1..block)."""
@@ -253,6 +266,7 @@ class Coordinator:
             "running": self._engine.num_running,
             "waiting": self._engine.num_waiting,
             "open_streams": self._llm.num_active_requests,
+            "cancelled": self._num_cancelled,
             "max_num_seqs": self._config.engine.max_num_seqs,
         }
 

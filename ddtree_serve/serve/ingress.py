@@ -177,10 +177,11 @@ class Ingress:
     async def _http_generate(
         self, body: CompletionRequest | ChatCompletionRequest, prompt: str, raw: Request, *, chat: bool
     ) -> Any:
+        # Serve's proxy puts the client's x-request-id (or one it generates) on the request and
+        # echoes it in the response headers; the body id and the logs use the same value.
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = raw.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{uuid.uuid4().hex}"
         sampling = body.sampling_params(self._defaults)
-        headers = {REQUEST_ID_HEADER: request_id}
         route = "/v1/chat/completions" if chat else "/v1/completions"
         with self._tracing.span(
             f"POST {route}", carrier_from_pairs(raw.headers.items()), {"request_id": request_id}
@@ -191,7 +192,7 @@ class Ingress:
             chunks = self._rest(first, stream)
             if body.stream:
                 events = self._sse(chunks, request_id, chat=chat, include_usage=body.include_usage)
-                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+                return StreamingResponse(events, media_type="text/event-stream")
             text, finish_reason, usage = [], None, None
             async for chunk in chunks:
                 text.append(chunk.text)
@@ -204,7 +205,7 @@ class Ingress:
                 usage.openai_dict() if usage else None,
                 chat=chat,
             )
-            return JSONResponse(payload, headers=headers)
+            return JSONResponse(payload)
 
     async def _sse(
         self, chunks: AsyncIterator[GenerationChunk], request_id: str, *, chat: bool, include_usage: bool

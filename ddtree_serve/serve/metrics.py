@@ -23,9 +23,10 @@ class GroupMetrics:
             description="Tokens one request committed in one step (accepted drafts + bonus); mean = tau.",
             boundaries=tokens_per_step_boundaries,
         )
-        self.accepted_tokens = metrics.Counter(
-            "ddtree_accepted_draft_tokens",
-            description="Draft tokens the target accepted, summed over requests and steps.",
+        self.accepted_tokens_per_step = metrics.Histogram(
+            "ddtree_accepted_tokens_per_step",
+            description="Draft tokens the target accepted in one engine step, summed over its batch.",
+            boundaries=[0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256],
         )
         self.tokens_per_step = metrics.Histogram(
             "ddtree_tokens_per_step",
@@ -57,9 +58,8 @@ class GroupMetrics:
             description="Requests refused by the coordinator, by reason.",
             tag_keys=("reason",),
         )
-        self.tree_budget.set(tree_budget)
-        self.active_requests.set(0)
-        self.queued_requests.set(0)
+        self._tree_budget = tree_budget
+        self.record_load(0, 0)
 
     def record_step(self, phase_seconds: Mapping[str, float], emitted_per_request: Sequence[int]) -> None:
         """One engine step: phase wall times and the token count each running request committed."""
@@ -67,15 +67,15 @@ class GroupMetrics:
             self.step_latency.observe(seconds, tags={"phase": phase})
         for emitted in emitted_per_request:
             self.acceptance_length.observe(emitted)
-        accepted = sum(max(emitted - 1, 0) for emitted in emitted_per_request)
-        if accepted:
-            self.accepted_tokens.inc(accepted)
         if emitted_per_request:
+            self.accepted_tokens_per_step.observe(sum(emitted - 1 for emitted in emitted_per_request))
             self.tokens_per_step.observe(sum(emitted_per_request))
 
     def record_load(self, num_running: int, num_waiting: int) -> None:
+        """Refreshes the gauges; call periodically, since Ray drops gauges that stop being set."""
         self.active_requests.set(num_running)
         self.queued_requests.set(num_waiting)
+        self.tree_budget.set(self._tree_budget)
 
     def record_finish(self, finish_reason: str) -> None:
         self.finished_requests.inc(tags={"finish_reason": finish_reason})

@@ -43,8 +43,6 @@ class StepRecord:
     index: int
     intervals_ns: dict[str, tuple[int, int]]
     outputs: Sequence[RequestOutput]
-    num_running: int
-    num_waiting: int
 
 
 StepObserver = Callable[[StepRecord], None]
@@ -62,7 +60,5 @@ class ObservedEngine(SpecEngine):
     def step(self) -> list[RequestOutput]:
         outputs = super().step()
         self._num_steps += 1
-        self._observer(
-            StepRecord(self._num_steps, self._phases.take(), outputs, self.num_running, self.num_waiting)
-        )
+        self._observer(StepRecord(self._num_steps, self._phases.take(), outputs))
         return outputs
