@@ -47,6 +47,10 @@ class Scheduler:
             )
         self.waiting.append(request)
 
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

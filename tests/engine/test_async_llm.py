@@ -1,0 +1,81 @@
+"""AsyncLLM: streaming deltas, agreement with LLM, aborts on early exit, queue limit, engine death."""
+
+import asyncio
+
+import pytest
+
+from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
+from ddtree_serve.engine.llm import LLM
+from ddtree_serve.engine.local import build_local_engine
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.scheduler import QueueFullError
+
+PARAMS = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+
+
+@pytest.fixture
+def client(make_pair_config):
+    client = AsyncLLM(
+        build_local_engine(make_pair_config(mode="ddtree", budget=4, max_num_seqs=1, max_queue_len=1))
+    )
+    yield client
+    client.shutdown()
+
+
+def test_stream_deltas_add_up_and_match_llm(client, make_pair_config, prompt_ids):
+    async def collect():
+        return [o async for o in client.generate_stream(prompt_ids[0], PARAMS, request_id="s")]
+
+    outputs = asyncio.run(collect())
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    assert "".join(o.delta_text for o in outputs) == outputs[-1].text
+    assert [t for o in outputs for t in o.delta_token_ids] == outputs[-1].token_ids
+    llm = LLM.from_config(make_pair_config(mode="ddtree", budget=4, max_num_seqs=1))
+    assert llm.generate([prompt_ids[0]], PARAMS)[0].token_ids == outputs[-1].token_ids
+
+
+def test_leaving_a_stream_early_aborts_and_queue_limit_raises(client, prompt_ids):
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def scenario():
+        running = client.generate_stream(prompt_ids[0], long, request_id="running")
+        await running.__anext__()  # admitted: it holds the only slot
+        waiting = client.generate_stream(prompt_ids[1], long, request_id="waiting")
+        waiting_first = asyncio.ensure_future(waiting.__anext__())
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFullError):
+            await client.generate_stream(prompt_ids[2], long, request_id="refused").__anext__()
+        await running.aclose()  # leaving early aborts "running" and frees the slot
+        first = await asyncio.wait_for(waiting_first, timeout=60)
+        assert first.request_id == "waiting"
+        await waiting.aclose()
+
+    asyncio.run(scenario())
+    for _ in range(100):
+        if not client.engine.has_unfinished_requests():
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert not client.engine.has_unfinished_requests()
+
+
+def test_invalid_request_raises_value_error(client):
+    async def bad():
+        return [o async for o in client.generate_stream([], PARAMS)]
+
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(bad())
+
+
+def test_a_failing_step_fails_streams_and_later_calls(client, prompt_ids):
+    def broken_verify(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    client.engine.target.verify = broken_verify
+
+    async def run():
+        return [o async for o in client.generate_stream(prompt_ids[0], PARAMS)]
+
+    with pytest.raises(EngineDeadError, match="device lost"):
+        asyncio.run(run())
+    with pytest.raises(EngineDeadError):
+        asyncio.run(run())

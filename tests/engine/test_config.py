@@ -1,0 +1,64 @@
+"""Validation at the boundary: EngineConfig (pydantic) and SamplingParams (dataclass)."""
+
+import pydantic
+import pytest
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.sampling_params import SamplingParams
+
+
+def test_engine_config_defaults_and_frozen_settings():
+    config = EngineConfig()
+    settings = config.to_settings()
+    assert (settings.mode, settings.budget, settings.max_num_seqs) == (
+        "ddtree",
+        config.budget,
+        config.max_num_seqs,
+    )
+    assert config.default_sampling_params().greedy
+    assert all(field.description for field in EngineConfig.model_fields.values())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"device": "gpu"}, "device"),
+        ({"mode": "beam"}, "mode"),
+        ({"budget": 0}, "budget"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"drafter": "/d"}, "needs its own target"),
+        ({"target": "/t"}, "needs `drafter`"),
+        ({"unknown": 1}, "unknown"),
+    ],
+)
+def test_engine_config_rejects_bad_values(overrides, message):
+    with pytest.raises(pydantic.ValidationError, match=message):
+        EngineConfig(**overrides)
+
+
+def test_custom_target_alone_is_fine_for_plain_decoding():
+    assert EngineConfig(target="/t", mode="ar").drafter is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"draft_budget": 0}, "draft_budget"),
+    ],
+)
+def test_sampling_params_reject_bad_values(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**overrides)
+
+
+def test_sampling_params_normalise_lists_to_tuples():
+    params = SamplingParams(stop=["\n\n"], stop_token_ids=[5])
+    assert params.stop == ("\n\n",) and params.stop_token_ids == (5,)

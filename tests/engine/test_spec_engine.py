@@ -1,0 +1,59 @@
+"""SpecEngine request handling: validation, aborts, slot release, stats and timing."""
+
+import pytest
+
+from ddtree_serve.engine.local import build_local_engine
+from ddtree_serve.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(make_pair_config):
+    return build_local_engine(
+        make_pair_config(mode="ddtree", budget=4, max_num_seqs=2, max_seq_len=64, record_timings=True)
+    )
+
+
+def test_invalid_requests_are_refused(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("oov", [engine.vocab_size], SamplingParams())
+    with pytest.raises(ValueError, match="no room"):
+        engine.add_request("long", [1] * 64, SamplingParams())
+    engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [1, 2], SamplingParams())
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_abort_running_and_waiting_requests_frees_their_slots(engine):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for name in ("a", "b", "c"):
+        engine.add_request(name, [1, 2, 3], params)
+    engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    engine.abort_request("a")  # running
+    engine.abort_request("c")  # waiting
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs["a"].finish_reason == "abort" and outputs["c"].finish_reason == "abort"
+    assert engine.num_running == 1 and engine.num_waiting == 0
+    engine.abort_request("b")
+    engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.num_free_slots == 2
+
+
+def test_output_length_is_capped_by_max_seq_len_and_stats_add_up(engine):
+    engine.add_request("long", [1] * 20, SamplingParams(max_tokens=1000, ignore_eos=True))
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = output
+    assert final is not None and final.finish_reason == "length"
+    # 64 positions: 20 prompt tokens, one padded tree of budget + 1 = 5 nodes past the prefix.
+    assert len(final.token_ids) == 64 - 20 - 5 + 1
+    assert final.stats.steps >= 1
+    assert final.stats.acceptance_length >= 1.0
+    assert engine.timer.counts["verify"] >= final.stats.steps
+    assert set(engine.timer.seconds) >= {"schedule", "draft", "build", "verify", "commit", "target_forward"}
