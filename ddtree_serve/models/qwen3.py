@@ -63,7 +63,7 @@ class Qwen3Config:
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
         eos = cfg.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
