@@ -132,3 +132,27 @@ def test_batched_prefill_equals_one_slot_at_a_time(tiny_target_dir: Path) -> Non
         assert (logits[b] - ref_logits[-1]).abs().max() < TOL
         assert features[b].shape == (len(prompts[b]), runner.feature_dim)
         assert (features[b] - ref_features[-len(prompts[b]) :]).abs().max() < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_verify_and_commit_match_cpu(tiny_target_dir: Path) -> None:
+    """The CUDA path (repeated K/V heads, memory-efficient SDPA) agrees with the CPU reference."""
+    runners = [
+        TargetRunner.from_pretrained(
+            tiny_target_dir, num_slots=2, max_seq_len=64, device=d, target_layer_ids=LAYER_IDS
+        )
+        for d in ("cpu", "cuda")
+    ]
+    gen = torch.Generator().manual_seed(11)
+    trees = [(torch.randint(0, 300, (9,), generator=gen).tolist(), random_parents(9, gen)) for _ in range(2)]
+    batch = tree_inputs(trees, num_slots=9)
+    outputs = []
+    for runner in runners:
+        runner.prefill_batch([0, 1], [list(range(3, 20)), list(range(40, 47))])
+        logits, features = runner.verify([0, 1], batch, [17, 7])
+        runner.commit([0, 1], torch.tensor([[0, 1, -1], [0, -1, -1]]))
+        after, _ = runner.prefill_batch([0, 1], [[5], [6]])
+        outputs.append((logits.cpu(), features.cpu(), after.cpu()))
+    for cpu_tensor, cuda_tensor in zip(*outputs, strict=True):
+        assert (cpu_tensor - cuda_tensor).abs().max() < 1e-3
