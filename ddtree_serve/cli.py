@@ -1,0 +1,198 @@
+"""`ddtree-serve`: generate text from the command line, or start the Ray Serve application.
+
+    ddtree-serve generate "def fibonacci(n):"             # bundled pair, DDTree, streams text
+    echo "def add(a, b):" | ddtree-serve generate --json   # prompt from stdin, one JSON object
+    ddtree-serve serve --config deployments/local.yaml     # HTTP + gRPC (needs the [serve] extra)
+
+Bad values exit with code 2 and a one-line message, never a traceback.
+"""
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pydantic
+
+from ddtree_serve.config import EngineConfig
+
+_GENERATE_EXAMPLES = """examples:
+  ddtree-serve generate "def fibonacci(n):"
+  ddtree-serve generate --mode chain --max-tokens 64 "import numpy as np"
+  ddtree-serve generate --temperature 0.8 --top-p 0.95 --seed 1 --json "The quick brown fox"
+  ddtree-serve generate --target ~/models/Qwen3-8B --drafter ~/models/Qwen3-8B-DFlash --device cuda \\
+      --dtype bfloat16 "Write a haiku about trees."
+"""
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddtree-serve",
+        description="Speculative decoding with DDTree draft trees over a DFlash drafter.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve}")
+    generate = commands.add_parser(
+        "generate",
+        help="generate a completion for one prompt in this process",
+        description="Generate a completion for one prompt (argument or stdin) and stream it to stdout.",
+        epilog=_GENERATE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_generate_arguments(generate)
+    generate.set_defaults(command_parser=generate)
+    serve = commands.add_parser(
+        "serve",
+        help="serve the model over HTTP (OpenAI-compatible) and gRPC with Ray Serve",
+        description="Start Ray, deploy the speculation group(s) and serve until Ctrl-C.",
+    )
+    # The serve arguments come with Ray-side code: import it only when it is the command.
+    if list(argv[:1]) == ["serve"]:
+        from ddtree_serve.serve.launcher import add_serve_arguments
+
+        add_serve_arguments(serve)
+    return parser
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    parser.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
+    model = parser.add_argument_group("model")
+    model.add_argument("--target", help="target model directory (default: the bundled target)")
+    model.add_argument("--drafter", help="DFlash drafter directory (default: the bundled drafter)")
+    model.add_argument("--device", default=defaults.device, help="cpu, cuda or cuda:N (default: %(default)s)")
+    model.add_argument(
+        "--dtype",
+        default=defaults.dtype,
+        choices=["float32", "bfloat16", "float16"],
+        help="(default: %(default)s)",
+    )
+    spec = parser.add_argument_group("speculation")
+    spec.add_argument(
+        "--mode",
+        default=defaults.mode,
+        choices=["ar", "chain", "ddtree"],
+        help="ar: plain decoding; chain: linear DFlash draft; ddtree: draft trees (default: %(default)s)",
+    )
+    spec.add_argument(
+        "--budget", type=int, default=defaults.budget, help="DDTree nodes per step (default: %(default)s)"
+    )
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)"
+    )
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    sampling.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default: %(default)s)"
+    )
+    sampling.add_argument(
+        "--top-k", type=int, default=0, help="keep the k likeliest, 0 = off (default: %(default)s)"
+    )
+    sampling.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-text")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from ddtree_serve.serve.launcher import run_serve
+
+        return run_serve(args)
+    return run_generate(args.command_parser, args)
+
+
+def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    # Imported here so `--help` and argument errors stay instant (no torch import).
+    import torch
+
+    from ddtree_serve.engine.llm import LLM
+    from ddtree_serve.engine.sampling_params import SamplingParams
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        parser.error("the prompt is empty (pass it as an argument or on stdin)")
+    try:
+        config = EngineConfig(
+            target=args.target,
+            drafter=args.drafter,
+            device=args.device,
+            dtype=args.dtype,
+            mode=args.mode,
+            budget=args.budget,
+            max_num_seqs=1,
+        )
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+    except (pydantic.ValidationError, ValueError) as error:
+        parser.error(_one_line(error))
+    for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
+        if path is not None and not (Path(path) / "config.json").is_file():
+            parser.error(f"{flag} {path}: not a model directory (no config.json)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
+
+    try:
+        llm = LLM.from_config(config)
+        start = time.perf_counter()
+        final = _stream(llm, prompt, params, echo=not args.json)
+        seconds = time.perf_counter() - start
+    except FileNotFoundError as error:
+        parser.exit(2, f"ddtree-serve generate: error: {_one_line(error)} (pass --target/--drafter)\n")
+    except (ValueError, RuntimeError) as error:
+        parser.exit(2, f"ddtree-serve generate: error: {_one_line(error)}\n")
+    stats: dict[str, Any] = {**final.stats.as_dict(), "finish_reason": final.finish_reason}
+    stats["tokens_per_second"] = len(final.token_ids) / seconds if seconds > 0 else 0.0
+    if args.json:
+        print(json.dumps({"text": final.text, "token_ids": final.token_ids, "stats": stats}))
+    else:
+        print(
+            f"\n[{len(final.token_ids)} tokens, {final.stats.steps} steps, "
+            f"acceptance length {final.stats.acceptance_length:.2f}, "
+            f"{stats['tokens_per_second']:.1f} tokens/s, {args.mode}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _stream(llm: Any, prompt: str, params: Any, echo: bool) -> Any:
+    """Step the engine, writing each new piece of text as soon as it is final; the last output."""
+    from ddtree_serve.engine.outputs import Detokenizer
+
+    engine = llm.engine
+    engine.add_request("cli", prompt, params)
+    detokenizer = Detokenizer(engine.tokenizer, params.stop)
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = detokenizer.update(output)
+            if echo and final.delta_text:
+                sys.stdout.write(final.delta_text)
+                sys.stdout.flush()
+    assert final is not None and final.finished
+    return final
+
+
+def _one_line(error: Exception) -> str:
+    """Pydantic's multi-line report (or any message) as one line a terminal user can act on."""
+    if isinstance(error, pydantic.ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in error.errors()
+        )
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
