@@ -399,12 +399,15 @@ def test_bad_inputs_get_their_documented_errors_while_a_good_request_completes(
         ):
             failures.append((case, response.status_code, response.text[:200]))
     for case, fields, code in GRPC_BAD_INPUTS:
-        try:
-            stub.Complete(pb2.GenerateRequest(**fields))
-            failures.append((case, "OK", ""))
-        except grpc.RpcError as error:
-            if error.code() != code or not error.details():
-                failures.append((case, error.code(), error.details()))
+        for rpc in ("Complete", "Generate"):  # unary and server-streaming refuse alike
+            try:
+                response = getattr(stub, rpc)(pb2.GenerateRequest(**fields))
+                if rpc == "Generate":
+                    list(response)  # a stream reports its status when drained
+                failures.append((f"{case} ({rpc})", "OK", ""))
+            except grpc.RpcError as error:
+                if error.code() != code or not error.details():
+                    failures.append((f"{case} ({rpc})", error.code(), error.details()))
     worker.join(timeout=120)
     assert failures == []
     text_events = [e for e in good["events"] if e.get("choices")]
