@@ -265,27 +265,28 @@ class Ingress:
     async def _grpc_chunks(
         self, message: Any, context: RayServegRPCContext, rpc: str
     ) -> AsyncIterator[GenerationChunk]:
-        """The chunk stream of one gRPC call; refusals set the status and end the stream."""
+        """The chunk stream of one gRPC call; a refusal sets the status, then raises.
+
+        Serve's proxy takes the status from the context only along with a response message,
+        which a refused stream never sends; raising after `set_code` makes the proxy use the
+        code we set (Serve wraps it in `gRPCStatusError`) for unary and streaming calls alike.
+        """
         try:
             request = self._grpc_request(message, context)
-        except RequestError as error:
-            context.set_code(error.kind.grpc_code)
-            context.set_details(error.message)
-            return
-        carrier = carrier_from_pairs(context.invocation_metadata())
-        with self._tracing.span(f"grpc {rpc}", carrier, {"request_id": request.request_id}) as span:
-            request = GenerationRequest(
-                request.request_id, request.prompt, request.sampling, Tracing.carrier_of(span)
-            )
-            logger.info("request %s: grpc %s", request.request_id, rpc)
-            try:
+            carrier = carrier_from_pairs(context.invocation_metadata())
+            with self._tracing.span(f"grpc {rpc}", carrier, {"request_id": request.request_id}) as span:
+                request = GenerationRequest(
+                    request.request_id, request.prompt, request.sampling, Tracing.carrier_of(span)
+                )
+                logger.info("request %s: grpc %s", request.request_id, rpc)
                 first, stream = await self._open(request)
                 async for chunk in self._rest(first, stream):
                     yield chunk
-            except Exception as error:
-                mapped = _as_error(error)
-                context.set_code(mapped.kind.grpc_code)
-                context.set_details(mapped.message)
+        except Exception as error:
+            mapped = _as_error(error)
+            context.set_code(mapped.kind.grpc_code)
+            context.set_details(mapped.message)
+            raise mapped from error
 
     async def Generate(self, message: Any, grpc_context: RayServegRPCContext) -> AsyncIterator[Any]:
         async for chunk in self._grpc_chunks(message, grpc_context, "Generate"):
