@@ -62,16 +62,11 @@ class LocalTarget:
         sampling: SamplingBatch,
         coins: torch.Tensor | None,
     ) -> PrefillOutput:
-        last_logits: list[torch.Tensor] = []
-        features: list[torch.Tensor] = []
-        with self.timer.stage("target_forward"):
-            for slot, prompt in zip(slots, prompts, strict=True):
-                logits, prompt_features = self.runner.prefill(slot, list(prompt))  # [V], [T, F]
-                last_logits.append(logits)
-                features.append(prompt_features)
+        # One forward for all prompts; timed as the engine's "prefill" stage.
+        last_logits, features = self.runner.prefill_batch(list(slots), [list(p) for p in prompts])  # [B, V]
         # The first token is an "ar" step's bonus: a root-only tree verified with coin_final.
         roots = build_verify_batch([build_chain([], 0) for _ in slots])
-        logits = torch.stack(last_logits).unsqueeze(1)  # [B, 1, V]
+        logits = last_logits.unsqueeze(1)  # [B, 1, V]
         result = self._accept(roots, logits, sampling, None, coins)
         return PrefillOutput(first_tokens=result.bonus_token.cpu(), context=features)
 
