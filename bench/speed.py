@@ -1,0 +1,305 @@
+"""Decoding speed of ar, chain and ddtree side by side, on CPU or CUDA.
+
+For every scenario (batch size x temperature) and every decoding config (ar, chain, ddtree at
+several budgets) it generates the same prompts with the same models, loaded once, and reports
+tokens/s, acceptance length (tokens per verify step) and where a step's time goes:
+
+    schedule / draft (draft_forward inside) / build / verify (target_forward inside) / commit
+
+`overhead` is the share of a step spent outside the two forward passes (tree build, buffers,
+verification walk, KV compaction, bookkeeping). Prefill is timed apart and excluded from
+steps. Results go to bench/out/speed.{md,json,png}.
+
+    python bench/speed.py                                    # bundled pair, CPU
+    python bench/speed.py --device cuda --dtype bfloat16     # H200
+    python bench/speed.py --target T --drafter D --budgets 16,32,64 --batch-sizes 1,16
+"""
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ddtree_serve.engine.local import LocalDrafter, LocalTarget, resolve_verify_backend
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.settings import EngineSettings
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.engine.timing import STEP_STAGES, StageTimer
+from ddtree_serve.models import (
+    DFlashDrafter,
+    TargetRunner,
+    bundled_drafter_dir,
+    bundled_target_dir,
+    load_tokenizer,
+)
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import numpy as np\n\ndef softmax(x):",
+    "class Stack:\n    def __init__(self):",
+    "def binary_search(items, target):",
+    "The quick brown fox",
+    "def read_json(path):\n    with open(path) as f:",
+    "for i in range(10):",
+    "def is_prime(n):\n    if n < 2:",
+    "import os\nimport sys\n",
+    "def merge_sort(xs):",
+    "Once upon a time",
+    "def add(a, b):",
+    "class Point:\n    def __init__(self, x, y):",
+    "def factorial(n):",
+    "with open('data.txt') as f:",
+    "def reverse_string(s):",
+]
+STEP_TIME_STAGES = (*STEP_STAGES[:1], *STEP_STAGES[2:])  # every stage but prefill
+FORWARD_STAGES = ("draft_forward", "target_forward")
+
+
+@dataclass(frozen=True)
+class Result:
+    mode: str
+    budget: int
+    batch_size: int
+    temperature: float
+    num_tokens: int
+    seconds: float
+    tokens_per_s: float
+    acceptance_length: float
+    steps: int
+    step_ms: float  # mean wall time of one step (prefill excluded)
+    stage_ms: dict[str, float]  # per step
+    overhead: float  # share of the step outside draft_forward + target_forward
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.mode != "ddtree" else f"ddtree-{self.budget}"
+
+
+class Workers:
+    """Models loaded once; every config reuses them (slots are released after each run)."""
+
+    def __init__(self, args: argparse.Namespace, num_slots: int, max_seq_len: int) -> None:
+        target_dir = Path(args.target) if args.target else bundled_target_dir()
+        drafter_dir = Path(args.drafter) if args.drafter else bundled_drafter_dir()
+        dtype = getattr(torch, args.dtype)
+        synchronize = torch.cuda.synchronize if args.device.startswith("cuda") else None
+        self.timer = StageTimer(enabled=True, synchronize=synchronize)
+        drafter = DFlashDrafter.from_pretrained(
+            drafter_dir,
+            target_dir,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            device=args.device,
+            dtype=dtype,
+        )
+        runner = TargetRunner.from_pretrained(
+            target_dir,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            device=args.device,
+            dtype=dtype,
+            target_layer_ids=drafter.target_layer_ids,
+        )
+        self.drafter = LocalDrafter(drafter, self.timer)
+        self.target = LocalTarget(
+            runner, resolve_verify_backend(args.verify_backend, args.device), self.timer
+        )
+        self.tokenizer = load_tokenizer(target_dir)
+        self.max_seq_len = max_seq_len
+
+    def engine(self, mode: str, budget: int, batch_size: int) -> SpecEngine:
+        settings = EngineSettings(
+            mode=mode,  # type: ignore[arg-type]
+            budget=budget,
+            max_num_seqs=batch_size,
+            max_num_batched_tokens=1 << 20,
+            max_seq_len=self.max_seq_len,
+            record_timings=True,
+        )
+        return SpecEngine(settings, self.target, self.drafter, self.tokenizer, self.timer)
+
+
+def run(workers: Workers, mode: str, budget: int, batch_size: int, temperature: float, args) -> Result:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size * args.waves)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0, ignore_eos=True)
+    warmup = workers.engine(mode, budget, batch_size)
+    for i in range(batch_size):
+        warmup.add_request(
+            f"w{i}", prompts[i], SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True)
+        )
+    _drain(warmup)
+
+    engine = workers.engine(mode, budget, batch_size)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    workers.timer.reset()
+    start = time.perf_counter()
+    finals = _drain(engine)
+    seconds = time.perf_counter() - start
+
+    timer = workers.timer
+    num_tokens = sum(len(f.token_ids) for f in finals)
+    steps = timer.counts["verify"]
+    step_tokens = sum(f.stats.acceptance_length * f.stats.steps for f in finals)
+    request_steps = sum(f.stats.steps for f in finals)
+    stage_ms = {
+        name: 1e3 * timer.seconds.get(name, 0.0) / steps for name in (*STEP_TIME_STAGES, *FORWARD_STAGES)
+    }
+    stage_ms["prefill"] = 1e3 * timer.seconds.get("prefill", 0.0) / steps
+    step_ms = sum(stage_ms[name] for name in STEP_TIME_STAGES)
+    forward_ms = stage_ms["draft_forward"] + stage_ms["target_forward"]
+    return Result(
+        mode=mode,
+        budget=budget,
+        batch_size=batch_size,
+        temperature=temperature,
+        num_tokens=num_tokens,
+        seconds=seconds,
+        tokens_per_s=num_tokens / seconds,
+        acceptance_length=step_tokens / request_steps,
+        steps=steps,
+        step_ms=step_ms,
+        stage_ms=stage_ms,
+        overhead=1.0 - forward_ms / step_ms,
+    )
+
+
+def _drain(engine: SpecEngine) -> list:
+    finals = []
+    while engine.has_unfinished_requests():
+        finals.extend(o for o in engine.step() if o.finished)
+    return finals
+
+
+def markdown_table(results: list[Result], device: str) -> str:
+    lines = [
+        f"device: {device}",
+        "",
+        "| batch | temp | config | tok/s | vs ar | tau | step ms "
+        "| draft | build | verify | commit | fwd d/t | overhead |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in results:
+        ar = next(
+            x for x in results if (x.batch_size, x.temperature, x.mode) == (r.batch_size, r.temperature, "ar")
+        )
+        s = r.stage_ms
+        lines.append(
+            f"| {r.batch_size} | {r.temperature:g} | {r.label} | {r.tokens_per_s:.1f} | "
+            f"{r.tokens_per_s / ar.tokens_per_s:.2f}x | {r.acceptance_length:.2f} | {r.step_ms:.2f} | "
+            f"{s['draft']:.2f} | {s['build']:.2f} | {s['verify']:.2f} | {s['commit']:.2f} | "
+            f"{s['draft_forward']:.2f}/{s['target_forward']:.2f} | {100 * r.overhead:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path, device: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = sorted({(r.batch_size, r.temperature) for r in results})
+    labels = list(dict.fromkeys(r.label for r in results))
+    fig, (speed_ax, split_ax) = plt.subplots(1, 2, figsize=(15, 5.5))
+    width = 0.8 / len(labels)
+    for j, label in enumerate(labels):
+        values = [
+            next(
+                (r.tokens_per_s for r in results if r.label == label and (r.batch_size, r.temperature) == sc),
+                0.0,
+            )
+            for sc in scenarios
+        ]
+        speed_ax.bar([i + j * width for i in range(len(scenarios))], values, width, label=label)
+    speed_ax.set_xticks([i + 0.4 - width / 2 for i in range(len(scenarios))])
+    speed_ax.set_xticklabels([f"batch {b}, T={t:g}" for b, t in scenarios])
+    speed_ax.set_ylabel("generated tokens / s")
+    speed_ax.set_title(f"throughput ({device})")
+    speed_ax.legend(fontsize=8)
+
+    first = [r for r in results if (r.batch_size, r.temperature) == scenarios[0]]
+    parts = {
+        "draft forward": lambda r: r.stage_ms["draft_forward"],
+        "draft other": lambda r: r.stage_ms["draft"] - r.stage_ms["draft_forward"],
+        "build": lambda r: r.stage_ms["build"],
+        "target forward": lambda r: r.stage_ms["target_forward"],
+        "verify other": lambda r: r.stage_ms["verify"] - r.stage_ms["target_forward"],
+        "commit + schedule": lambda r: r.stage_ms["commit"] + r.stage_ms["schedule"],
+    }
+    bottom = [0.0] * len(first)
+    for name, part in parts.items():
+        values = [part(r) for r in first]
+        split_ax.bar([r.label for r in first], values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    batch, temperature = scenarios[0]
+    split_ax.set_ylabel("ms per step")
+    split_ax.set_title(f"step time split (batch {batch}, T={temperature:g})")
+    split_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", help="target model directory (default: bundled)")
+    parser.add_argument("--drafter", help="drafter directory (default: bundled)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--verify-backend", default="auto", choices=["auto", "torch", "triton", "sgl_kernel"])
+    parser.add_argument("--budgets", default="8,32,64", help="ddtree budgets, comma-separated")
+    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated")
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--waves", type=int, default=1, help="prompts per run = batch size x waves")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "out"), help="output folder")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    configs = [("ar", 1), ("chain", 1), *(("ddtree", b) for b in budgets)]
+    longest_prompt = 64
+    workers = Workers(args, max(batch_sizes), longest_prompt + args.max_tokens + max(budgets) + 16)
+    device = (
+        torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else f"cpu ({torch.get_num_threads()} threads)"
+    )
+
+    results: list[Result] = []
+    for batch_size in batch_sizes:
+        for temperature in temperatures:
+            for mode, budget in configs:
+                result = run(workers, mode, budget, batch_size, temperature, args)
+                results.append(result)
+                print(
+                    f"batch {batch_size} T={temperature:g} {result.label:>10}: "
+                    f"{result.tokens_per_s:8.1f} tok/s tau {result.acceptance_length:5.2f} "
+                    f"step {result.step_ms:6.2f} ms overhead {100 * result.overhead:3.0f}%",
+                    flush=True,
+                )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(results, device)
+    print("\n" + table)
+    (out / "speed.md").write_text(table + "\n")
+    (out / "speed.json").write_text(
+        json.dumps({"device": device, "args": vars(args), "results": [asdict(r) for r in results]}, indent=1)
+    )
+    plot(results, out / "speed.png", device)
+    print(f"\nwrote {out / 'speed.md'}, {out / 'speed.json'}, {out / 'speed.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
