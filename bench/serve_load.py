@@ -1,0 +1,267 @@
+"""Load test of the served application against the same engine in process.
+
+Starts a local Ray cluster with the application (one speculation group), then at each
+concurrency level runs a closed loop of streaming requests over HTTP (SSE) and gRPC
+(server streaming), and the same load against `AsyncLLM` over an in-process engine built from
+the same `EngineConfig`. Prints time to first token, time per output token, output throughput
+and the served / in-process throughput ratio.
+
+    python bench/serve_load.py                                   # bundled pair
+    python bench/serve_load.py --target DIR --drafter DIR --concurrency 1 4 16 --max-tokens 64
+
+Every request uses greedy decoding with `ignore_eos`, so all of them generate exactly
+`--max-tokens` tokens and the three paths do the same work. On a small CPU machine the Ray
+processes (proxy, ingress, coordinator, workers) share the cores with the load generator;
+the ratio is what serving costs there, not a property of the algorithm.
+"""
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import httpx
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.async_llm import AsyncLLM
+from ddtree_serve.engine.local import build_local_engine
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.serve.config import ServeConfig
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "import numpy as np\n",
+    "for i in range(10):",
+    "class Stack:\n    def __init__(self):",
+    "Once upon a time",
+]
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    ttft_s: float  # request sent -> first streamed tokens
+    total_s: float  # request sent -> last chunk
+    num_tokens: int
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first chunk."""
+        return (self.total_s - self.ttft_s) / max(self.num_tokens - 1, 1)
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    path: str
+    concurrency: int
+    timings: list[RequestTiming]
+    wall_s: float
+
+    @property
+    def throughput(self) -> float:
+        return sum(t.num_tokens for t in self.timings) / self.wall_s
+
+    def row(self, baseline: float | None) -> str:
+        ttfts = sorted(t.ttft_s * 1e3 for t in self.timings)
+        p50, p90 = statistics.median(ttfts), ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]
+        tpot = statistics.median(t.tpot_s * 1e3 for t in self.timings)
+        ratio = f"{self.throughput / baseline:.2f}" if baseline else "1.00"
+        return (
+            f"| {self.path:<10} | {self.concurrency:>3} | {len(self.timings):>4} "
+            f"| {p50:8.1f} | {p90:8.1f} | {tpot:7.2f} | {self.throughput:8.1f} | {ratio:>5} |"
+        )
+
+
+TimedRequest = Callable[[str], Awaitable[RequestTiming]]
+
+
+async def closed_loop(
+    request: TimedRequest, concurrency: int, num_requests: int
+) -> tuple[list[RequestTiming], float]:
+    """`concurrency` clients, each sending its next request when the previous one ends."""
+    prompts = iter(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(num_requests))
+    timings: list[RequestTiming] = []
+
+    async def client() -> None:
+        for prompt in prompts:
+            timings.append(await request(prompt))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return timings, time.perf_counter() - start
+
+
+async def _timed(chunks: AsyncIterator[int]) -> RequestTiming:
+    start = time.perf_counter()
+    first = None
+    num_tokens = 0
+    async for count in chunks:
+        if count and first is None:
+            first = time.perf_counter() - start
+        num_tokens += count
+    return RequestTiming(first or 0.0, time.perf_counter() - start, num_tokens)
+
+
+def http_request(client: httpx.AsyncClient, url: str, max_tokens: int) -> TimedRequest:
+    async def chunks(prompt: str) -> AsyncIterator[int]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        body["stream_options"] = {"include_usage": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            seen = 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):  # the last event: the exact token count
+                    yield event["usage"]["completion_tokens"] - seen
+                elif event["choices"]:
+                    seen += 1
+                    yield 1  # one event per step; corrected by the usage event
+
+    return lambda prompt: _timed(chunks(prompt))
+
+
+def grpc_request(stub: object, max_tokens: int) -> TimedRequest:
+    from ddtree_serve.serve.protos import pb2
+
+    async def chunks(prompt: str) -> AsyncIterator[int]:
+        sampling = pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        async for chunk in stub.Generate(pb2.GenerateRequest(prompt=prompt, sampling=sampling)):  # type: ignore[attr-defined]
+            yield len(chunk.token_ids)
+
+    return lambda prompt: _timed(chunks(prompt))
+
+
+def engine_request(llm: AsyncLLM, max_tokens: int) -> TimedRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def chunks(prompt: str) -> AsyncIterator[int]:
+        async for output in llm.generate_stream(prompt, params):
+            yield len(output.delta_token_ids)
+
+    return lambda prompt: _timed(chunks(prompt))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def run_levels(path: str, request: TimedRequest, args: argparse.Namespace) -> list[LevelResult]:
+    await closed_loop(request, 1, 2)  # warm-up: first-call costs out of the figures
+    results = []
+    for concurrency in args.concurrency:
+        num_requests = max(args.min_requests, args.requests_per_client * concurrency)
+        timings, wall_s = await closed_loop(request, concurrency, num_requests)
+        results.append(LevelResult(path, concurrency, timings, wall_s))
+    return results
+
+
+async def bench_in_process(engine_config: EngineConfig, args: argparse.Namespace) -> list[LevelResult]:
+    llm = AsyncLLM(build_local_engine(engine_config))
+    try:
+        return await run_levels("in-process", engine_request(llm, args.max_tokens), args)
+    finally:
+        llm.shutdown()
+
+
+async def bench_served(config: ServeConfig, args: argparse.Namespace) -> list[LevelResult]:
+    from ddtree_serve.serve.protos import DDTreeServeStub
+
+    url = f"http://127.0.0.1:{config.http.port}"
+    results = []
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        results += await run_levels("http", http_request(client, url, args.max_tokens), args)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc.port}") as channel:
+        results += await run_levels("grpc", grpc_request(DDTreeServeStub(channel), args.max_tokens), args)
+    return results
+
+
+def start_application(config: ServeConfig) -> None:
+    import ray
+    from ray import serve
+
+    from ddtree_serve.serve.app import build_app, serve_start_options
+
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ddtree-bench-"))
+    serve.start(**serve_start_options(config))
+    serve.run(build_app(config), name=config.app_name, route_prefix="/")
+
+
+def stop_application() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", help="Target model dir (default: bundled).")
+    parser.add_argument("--drafter", help="Drafter dir (default: bundled).")
+    parser.add_argument("--mode", default="ddtree", choices=["ar", "chain", "ddtree"])
+    parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument(
+        "--workers",
+        default="actors",
+        choices=["actors", "in_process"],
+        help="Served models in drafter/target actors (the product) or inside the Coordinator replica.",
+    )
+    args = parser.parse_args()
+
+    engine_config = EngineConfig(
+        target=args.target,
+        drafter=args.drafter,
+        mode=args.mode,
+        budget=args.budget,
+        max_num_seqs=max(args.concurrency),
+        max_seq_len=512,
+    )
+    config = ServeConfig(
+        engine=engine_config,
+        http={"port": _free_port()},  # type: ignore[arg-type]
+        grpc={"port": _free_port()},  # type: ignore[arg-type]
+        observability={"metrics": False},  # type: ignore[arg-type]
+        placement={"workers": args.workers},  # type: ignore[arg-type]
+    )
+    local = asyncio.run(bench_in_process(engine_config, args))
+    start_application(config)
+    try:
+        served = asyncio.run(bench_served(config, args))
+    finally:
+        stop_application()
+
+    baseline = {r.concurrency: r.throughput for r in local}
+    print(f"\nmode={args.mode} budget={args.budget} max_tokens={args.max_tokens} workers={args.workers}\n")
+    print("| path       |   c | reqs | TTFT p50 | TTFT p90 | TPOT ms |    tok/s | ratio |")
+    print("|------------|-----|------|----------|----------|---------|----------|-------|")
+    for result in local + served:
+        print(result.row(None if result.path == "in-process" else baseline[result.concurrency]))
+    print("\nTTFT in ms; TPOT = median ms per output token after the first chunk;")
+    print("ratio = tok/s / in-process tok/s at the same concurrency.")
+
+
+if __name__ == "__main__":
+    main()
