@@ -92,8 +92,7 @@ class LocalTarget:
         accept_index, accept_len, bonus = packed[:, :-2], packed[:, -2], packed[:, -1]
         context = None
         if return_context:
-            lengths = (accept_len + 1).tolist()
-            context = [features[b, result.accept_index[b, :n]] for b, n in enumerate(lengths)]  # [n_b, F]
+            context = _accepted_features(features, accept_index, accept_len)
         return VerifyOutput(
             accept_index=accept_index, accept_len=accept_len, bonus_token=bonus, context=context
         )
@@ -153,6 +152,23 @@ class LocalDrafter:
 
     def release(self, slot: int) -> None:
         self.drafter.release(slot)
+
+
+def _accepted_features(
+    features: torch.Tensor, accept_index: torch.Tensor, accept_len: torch.Tensor
+) -> list[torch.Tensor]:
+    """Per request, the features of its root and accepted nodes, in path order: `[n_b, F]` views.
+
+    `features [B, N, F]` on the device; `accept_index [B, D+1]`, `accept_len [B]` on the host.
+    One gather for the batch, then views split by length (no kernel per request).
+    """
+    batch_size, num_nodes, _ = features.shape
+    lengths = (accept_len + 1).tolist()
+    rows = torch.arange(batch_size).view(-1, 1) * num_nodes + accept_index  # [B, D+1] flat rows
+    keep = torch.arange(accept_index.shape[1]).view(1, -1) < (accept_len + 1).view(-1, 1)
+    flat_rows = rows[keep].to(features.device, non_blocking=True)  # [sum n_b], path order per row
+    gathered = features.reshape(batch_size * num_nodes, -1).index_select(0, flat_rows)  # [sum n_b, F]
+    return list(gathered.split(lengths))
 
 
 def resolve_verify_backend(name: str, device: str) -> str:
