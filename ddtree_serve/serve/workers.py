@@ -7,7 +7,10 @@ runs unchanged, Ray only adds transport.
 
 Context features never enter the Coordinator: `prefill` and `verify` have `num_returns=2`, the
 second return being the features, whose `ObjectRef` the engine forwards untouched inside its
-`ContextSlice`s to `DrafterWorker.draft`, which resolves them where they are used.
+`ContextSlice`s to `DrafterWorker.draft`, which resolves them where they are used. (Ray inlines
+return values under `max_direct_call_object_size`, 100 KiB by default, into the caller's
+memory: a toy model's few-KiB features do pass through the Coordinator's memory; real models'
+features, taps x hidden x accepted tokens, go through the object store target -> drafter.)
 """
 
 import dataclasses

@@ -485,3 +485,44 @@ def test_the_speculation_group_is_one_placement_group_with_gpu_bundles(cluster: 
     bundles = [[dict(b) for b in g["bundles"].values()] for g in groups]
     assert expected in bundles
     assert ray.available_resources().get("GPU", 0) == 0  # both fake GPUs are held by the workers
+
+
+def test_actor_adapters_forward_context_as_an_object_ref_and_match_in_process_models(
+    cluster: ServeCluster, tiny_model_dirs: TinyModelDirs
+) -> None:
+    """Prefill on a TargetWorker, draft on a DrafterWorker from the ref alone, vs the same in process."""
+    import ray
+    import torch
+
+    from ddtree_serve.engine.interfaces import ContextSlice, SamplingBatch
+    from ddtree_serve.serve.factories import LocalDrafterFactory, LocalTargetFactory
+    from ddtree_serve.serve.workers import DrafterWorker, RayDrafter, RayTarget, TargetWorker
+
+    engine_config = EngineConfig.model_validate(cluster.config.engine.model_dump())
+    target_factory, drafter_factory = LocalTargetFactory(engine_config), LocalDrafterFactory(engine_config)
+    remote_target = RayTarget(TargetWorker.options(num_cpus=0.01).remote(target_factory))
+    remote_drafter = RayDrafter(DrafterWorker.options(num_cpus=0.01).remote(drafter_factory))
+    local_target, local_drafter = target_factory(), drafter_factory()
+    assert (remote_target.vocab_size, remote_target.max_seq_len) == (
+        local_target.vocab_size,
+        local_target.max_seq_len,
+    )
+    assert remote_drafter.block_size == local_drafter.block_size == 8
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    greedy_batch = SamplingBatch(
+        temperature=torch.zeros(2),
+        top_k=torch.zeros(2, dtype=torch.int64),
+        top_p=torch.ones(2),
+        all_greedy=True,
+    )
+    outputs = []
+    for target, drafter in ((remote_target, remote_drafter), (local_target, local_drafter)):
+        prefill = target.prefill([0, 1], prompts, greedy_batch, None)
+        contexts = [ContextSlice(prefill.context, i) for i in range(2)]
+        outputs.append((prefill, drafter.draft([0, 1], prefill.first_tokens, contexts, top_k=4)))
+    (remote_prefill, remote_draft), (local_prefill, local_draft) = outputs
+    assert isinstance(remote_prefill.context, ray.ObjectRef)  # the coordinator holds a reference
+    assert torch.equal(remote_prefill.first_tokens, local_prefill.first_tokens)
+    assert torch.equal(remote_draft.ids, local_draft.ids)
+    torch.testing.assert_close(remote_draft.logp, local_draft.logp)
