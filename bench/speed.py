@@ -258,12 +258,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperatures", default="0,1", help="comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--waves", type=int, default=1, help="prompts per run = batch size x waves")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch (default 1: on a small shared machine more threads contend and "
+        "slow small matmuls down by orders of magnitude)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"), help="output folder")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
