@@ -208,6 +208,9 @@ def test_grpc_health_checking_and_reflection(cluster: ServeCluster) -> None:
         with pytest.raises(grpc.RpcError) as error:
             health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
         assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
         services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
 
