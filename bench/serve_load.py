@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 import httpx
+import torch
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.async_llm import AsyncLLM
@@ -224,12 +225,19 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="Torch threads of the in-process engine; Ray gives each worker OMP_NUM_THREADS=1.",
+    )
+    parser.add_argument(
         "--workers",
         default="actors",
         choices=["actors", "in_process"],
         help="Served models in drafter/target actors (the product) or inside the Coordinator replica.",
     )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     engine_config = EngineConfig(
         target=args.target,
@@ -254,7 +262,8 @@ def main() -> None:
         stop_application()
 
     baseline = {r.concurrency: r.throughput for r in local}
-    print(f"\nmode={args.mode} budget={args.budget} max_tokens={args.max_tokens} workers={args.workers}\n")
+    print(f"\nmode={args.mode} budget={args.budget} max_tokens={args.max_tokens}", end=" ")
+    print(f"workers={args.workers} threads={args.threads}\n")
     print("| path       |   c | reqs | TTFT p50 | TTFT p90 | TPOT ms |    tok/s | ratio |")
     print("|------------|-----|------|----------|----------|---------|----------|-------|")
     for result in local + served:
