@@ -40,6 +40,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokenizer", type=Path, default=None, help="reuse this tokenizer.json instead of training one"
     )
     parser.add_argument(
+        "--drafter-from",
+        type=Path,
+        default=None,
+        help="continue training the drafter in this model directory instead of a fresh one",
+    )
+    parser.add_argument("--drafter-lr", type=float, default=None, help="peak learning rate of the drafter")
+    parser.add_argument(
+        "--generated-seqs", type=int, default=None, help="target continuations the drafter trains on"
+    )
+    parser.add_argument(
         "--target-from",
         type=Path,
         default=None,
@@ -50,14 +60,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    recipe = PRESETS["smoke" if args.smoke else args.preset].with_budgets(
-        args.target_budget_s, args.drafter_budget_s
+    recipe = PRESETS["smoke" if args.smoke else args.preset].with_overrides(
+        target_budget_s=args.target_budget_s,
+        drafter_budget_s=args.drafter_budget_s,
+        drafter_lr=args.drafter_lr,
+        generated_seqs=args.generated_seqs,
     )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = args.tokenizer
     if args.target_from is not None and tokenizer is None:
         tokenizer = args.target_from / "tokenizer.json"
-    train_pair(recipe, args.out, device, args.seed, tokenizer_path=tokenizer, target_from=args.target_from)
+    train_pair(
+        recipe,
+        args.out,
+        device,
+        args.seed,
+        tokenizer_path=tokenizer,
+        target_from=args.target_from,
+        drafter_from=args.drafter_from,
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from ddtree_serve.training.loop import (
 from ddtree_serve.training.recipe import DrafterTraining
 from ddtree_serve.training.target import StageResult
 
-GENERATION_CHUNK_ROWS = 2048
+GENERATION_CHUNK_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -118,40 +118,54 @@ def dflash_loss(
     return DraftLoss(loss=loss, greedy_tau=greedy_tau)
 
 
-def build_generated_pool(
+def generate_rows(
     target: Qwen3ForCausalLM,
-    prompt_stream: torch.Tensor,
-    num_rows: int,
-    prompt_len: int,
+    train_stream: torch.Tensor,
+    heldout_stream: torch.Tensor,
+    training: DrafterTraining,
     seq_len: int,
+    num_eval_rows: int,
     generator: torch.Generator,
-) -> torch.Tensor:
-    """`[num_rows, seq_len]` target continuations of random prompts: half greedy, half sampled at T=1."""
-    rows = []
-    num_greedy = num_rows // 2
-    for first in range(0, num_rows, GENERATION_CHUNK_ROWS):
-        count = min(GENERATION_CHUNK_ROWS, num_rows - first)
-        # rows [0, num_greedy) are greedy; a chunk straddling the boundary is split in two
-        for temperature, lo, hi in (
-            (0.0, first, min(first + count, num_greedy)),
-            (1.0, max(first, num_greedy), first + count),
-        ):
-            if hi > lo:
-                prompts = sample_windows(prompt_stream, hi - lo, prompt_len, generator)
-                rows.append(continue_prompts(target, prompts, seq_len - prompt_len, temperature, generator))
-    return torch.cat(rows)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training pool, held-out eval rows), both `[n, seq_len]`, generated in one batched pass.
+
+    Pool: half of the rows sample their whole continuation (the target's distribution on
+    novel text), half sample `generation_prompt_len // 2` tokens and then continue greedily
+    (temperature-0 behaviour after a context the target did not memorise). Eval rows are
+    greedy continuations of held-out prompts: what temperature-0 acceptance is measured on.
+    """
+    num_new = seq_len - training.generation_prompt_len
+    num_pool = training.num_generated_seqs if training.generated_fraction > 0 else 0
+    prompts = torch.cat(
+        [
+            sample_windows(train_stream, num_pool, training.generation_prompt_len, generator),
+            sample_windows(heldout_stream, num_eval_rows, training.generation_prompt_len, generator),
+        ]
+    )
+    num_sampled = torch.zeros(prompts.shape[0], dtype=torch.int64)
+    num_sampled[: num_pool // 2] = num_new
+    num_sampled[num_pool // 2 : num_pool] = training.generation_prompt_len // 2
+    rows = torch.cat(
+        [
+            continue_prompts(target, chunk, num_new, chunk_sampled, generator)
+            for chunk, chunk_sampled in zip(
+                prompts.split(GENERATION_CHUNK_ROWS), num_sampled.split(GENERATION_CHUNK_ROWS), strict=True
+            )
+        ]
+    )
+    return rows[:num_pool], rows[num_pool:]
 
 
 def mixed_batch(
     corpus_stream: torch.Tensor,
-    generated_pool: torch.Tensor | None,
+    generated_pool: torch.Tensor,
     batch_size: int,
     seq_len: int,
     generated_fraction: float,
     generator: torch.Generator,
 ) -> torch.Tensor:
     """`[B, seq_len]`: a `generated_fraction` share of rows from the pool, the rest corpus windows."""
-    num_generated = 0 if generated_pool is None else round(batch_size * generated_fraction)
+    num_generated = round(batch_size * generated_fraction) if generated_pool.shape[0] else 0
     parts = []
     if num_generated:
         picks = torch.randint(
@@ -211,20 +225,8 @@ def train_drafter(
     target.requires_grad_(False)
 
     clock_generation = StageClock(schedule)
-    generated_pool = None
-    if training.generated_fraction > 0 and training.num_generated_seqs > 0:
-        generated_pool = build_generated_pool(
-            target,
-            train_stream,
-            training.num_generated_seqs,
-            training.generation_prompt_len,
-            schedule.seq_len,
-            generator,
-        )
-    # greedy continuations of held-out prompts: what temperature-0 acceptance is measured on
-    eval_prompts = sample_windows(heldout_stream, num_eval_rows, training.generation_prompt_len, generator)
-    eval_rows = continue_prompts(
-        target, eval_prompts, schedule.seq_len - training.generation_prompt_len, 0.0, generator
+    generated_pool, eval_rows = generate_rows(
+        target, train_stream, heldout_stream, training, schedule.seq_len, num_eval_rows, generator
     )
     eval_anchors = sample_anchors(
         eval_rows.shape[0], schedule.seq_len, training.anchors_per_seq, block_size, generator
@@ -289,5 +291,5 @@ def train_drafter(
         stage=stage,
         heldout_greedy_tau=best_tau,
         generation_s=generation_s,
-        generated_rows=0 if generated_pool is None else generated_pool.shape[0],
+        generated_rows=generated_pool.shape[0],
     )

@@ -45,30 +45,32 @@ def continue_prompts(
     model: Qwen3ForCausalLM,
     prompts: torch.Tensor,
     num_new_tokens: int,
-    temperature: float,
+    num_sampled: torch.Tensor,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    """`prompts [B, P]` -> `[B, P + num_new_tokens]`: greedy if temperature is 0, else sampled."""
+    """`prompts [B, P]` -> `[B, P + num_new_tokens]`, all rows in one pass.
+
+    Row b samples (temperature 1) its first `num_sampled[b]` new tokens and continues greedily
+    after them: 0 gives a greedy row, `num_new_tokens` a fully sampled one, and anything between
+    a greedy continuation of a context the target wrote itself (novel text, not memorised).
+    """
     batch_size, prompt_len = prompts.shape
     device = prompts.device
-    autocast = autocast_for(device)
     cache_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cache = DenseKVCache(model, batch_size, prompt_len + num_new_tokens, cache_dtype)
     out = torch.empty(batch_size, prompt_len + num_new_tokens, dtype=torch.int64, device=device)
     out[:, :prompt_len] = prompts
+    num_sampled = num_sampled.to(device)
     was_training = model.training
     model.eval()
-    with autocast:
+    with autocast_for(device):
         positions = torch.arange(prompt_len, device=device).expand(batch_size, prompt_len)
         hidden = model(prompts, positions, causal_mask(prompt_len, device), kv_store=cache).hidden
         cache.advance(prompt_len)
-        for step in tqdm(range(num_new_tokens), desc=f"generate T={temperature}", mininterval=2.0):
+        for step in tqdm(range(num_new_tokens), desc="generate", mininterval=2.0):
             logits = model.logits(hidden[:, -1]).float()  # [B, V]
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                next_token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            sampled = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+            next_token = torch.where(step < num_sampled, sampled, logits.argmax(dim=-1))
             pos = prompt_len + step
             out[:, pos] = next_token
             if step + 1 == num_new_tokens:

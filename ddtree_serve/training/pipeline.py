@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
-from ddtree_serve.models.loading import load_target_model
+from ddtree_serve.models.loading import load_draft_model, load_target_model
 from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from ddtree_serve.training.corpus import load_corpus, stdlib_root
 from ddtree_serve.training.data import encode_stream
@@ -45,6 +45,7 @@ def train_pair(
     seed: int,
     tokenizer_path: Path | None = None,
     target_from: Path | None = None,
+    drafter_from: Path | None = None,
 ) -> dict[str, Any]:
     """Run the stages and write the pair into `out_dir`; returns (and writes) the report."""
     started = time.perf_counter()
@@ -120,14 +121,20 @@ def train_pair(
 
     # stage 3: drafter
     drafter_config = drafter_hf_config(recipe, eos_id, mask_id, STORAGE_DTYPE_NAME)
-    draft_model = DFlashDraftModel(DFlashConfig.from_dict(drafter_config))
-    init_weights(draft_model, recipe.drafter.num_layers)
-    draft_model.to(device)
+    if drafter_from is not None:
+        draft_model = load_draft_model(drafter_from, dtype=torch.float32, device=device).requires_grad_(True)
+        if draft_model.config != DFlashConfig.from_dict(drafter_config):
+            raise ValueError(f"drafter in {drafter_from} does not match the recipe's drafter config")
+    else:
+        draft_model = DFlashDraftModel(DFlashConfig.from_dict(drafter_config))
+        init_weights(draft_model, recipe.drafter.num_layers)
+        draft_model.to(device)
     num_eval_rows = min(NUM_DRAFTER_EVAL_ROWS, recipe.drafter_training.schedule.batch_size * 4)
     drafter_result = train_drafter(
         draft_model, target, train_stream, heldout_stream, recipe.drafter_training, num_eval_rows, generator
     )
     report["drafter"] = {
+        "continued_from": None if drafter_from is None else str(drafter_from),
         **asdict(drafter_result.stage),
         "tokens_per_s": drafter_result.stage.tokens_per_s,
         "heldout_greedy_tau": drafter_result.heldout_greedy_tau,

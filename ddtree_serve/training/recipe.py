@@ -5,7 +5,7 @@ configuration for the tests. The model sizes become HF-style `config.json` dicts
 training code builds its modules from exactly the configs the runtime loader reads.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -72,17 +72,26 @@ class PairRecipe:
     drafter_training: DrafterTraining
     max_corpus_files: int | None = None
     rms_norm_eps: float = 1e-6
-    notes: dict[str, Any] = field(default_factory=dict)
 
-    def with_budgets(self, target_s: float | None, drafter_s: float | None) -> "PairRecipe":
-        """The same recipe with other wall-clock budgets (None keeps the preset's)."""
+    def with_overrides(
+        self,
+        target_budget_s: float | None = None,
+        drafter_budget_s: float | None = None,
+        drafter_lr: float | None = None,
+        generated_seqs: int | None = None,
+    ) -> "PairRecipe":
+        """The same recipe with the given fields replaced (None keeps the preset's value)."""
         target_training = self.target_training
-        if target_s is not None:
-            target_training = replace(target_training, time_budget_s=target_s)
-        drafter_training = self.drafter_training
-        if drafter_s is not None:
-            schedule = replace(drafter_training.schedule, time_budget_s=drafter_s)
-            drafter_training = replace(drafter_training, schedule=schedule)
+        if target_budget_s is not None:
+            target_training = replace(target_training, time_budget_s=target_budget_s)
+        schedule = self.drafter_training.schedule
+        if drafter_budget_s is not None:
+            schedule = replace(schedule, time_budget_s=drafter_budget_s)
+        if drafter_lr is not None:
+            schedule = replace(schedule, lr=drafter_lr)
+        drafter_training = replace(self.drafter_training, schedule=schedule)
+        if generated_seqs is not None:
+            drafter_training = replace(drafter_training, num_generated_seqs=generated_seqs)
         return replace(self, target_training=target_training, drafter_training=drafter_training)
 
 

@@ -89,14 +89,17 @@ def test_loss_is_finite_differentiable_and_greedy_tau_in_range() -> None:
     assert all(p.grad is None for p in target.parameters())
 
 
-def test_cached_greedy_continuation_equals_full_recompute() -> None:
+def test_cached_continuation_is_greedy_after_the_sampled_prefix() -> None:
     target, _ = tiny_pair()
     prompts = torch.randint(2, SMOKE.vocab_size, (3, 5), generator=torch.Generator().manual_seed(4))
-    out = continue_prompts(target, prompts, 6, 0.0, torch.Generator().manual_seed(5))
+    num_sampled = torch.tensor([0, 0, 2])  # the last row samples two tokens, then goes greedy
+    out = continue_prompts(target, prompts, 6, num_sampled, torch.Generator().manual_seed(5))
+    assert torch.equal(out[:, :5], prompts)
     with torch.no_grad():
-        row = prompts
-        for _ in range(6):
-            length = row.shape[1]
-            hidden = target(row, torch.arange(length).expand(3, length), causal_mask(length)).hidden
-            row = torch.cat([row, target.logits(hidden[:, -1]).argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, row)
+        for b, first_greedy in enumerate([5, 5, 7]):
+            row = out[b : b + 1, :first_greedy]
+            while row.shape[1] < out.shape[1]:
+                length = row.shape[1]
+                hidden = target(row, torch.arange(length)[None], causal_mask(length)).hidden
+                row = torch.cat([row, target.logits(hidden[:, -1]).argmax(-1, keepdim=True)], dim=1)
+            assert torch.equal(out[b], row[0])

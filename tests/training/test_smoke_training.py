@@ -37,9 +37,11 @@ def test_smoke_run_writes_a_loadable_pair_and_a_report(tmp_path: Path) -> None:
     with safe_open(str(out / "target" / "model.safetensors"), "pt") as weights:
         assert "lm_head.weight" not in list(weights.keys())  # the tied head is not stored
 
-    # a retrain of the drafter alone reuses the target and its tokenizer
+    # a retrain of the drafter alone reuses the target and its tokenizer, and may continue a drafter
     again = tmp_path / "again"
-    main(["--smoke", "--out", str(again), "--device", "cpu", "--target-from", str(out / "target")])
+    reuse = ["--target-from", str(out / "target"), "--drafter-from", str(out / "drafter")]
+    main(["--smoke", "--out", str(again), "--device", "cpu", *reuse])
+    assert json.loads((again / "training_report.json").read_text())["drafter"]["continued_from"]
     assert (again / "target" / "tokenizer.json").read_bytes() == (
         out / "target" / "tokenizer.json"
     ).read_bytes()
