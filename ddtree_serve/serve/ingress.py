@@ -286,6 +286,8 @@ class Ingress:
             mapped = _as_error(error)
             context.set_code(mapped.kind.grpc_code)
             context.set_details(mapped.message)
+            if mapped is error:
+                raise
             raise mapped from error
 
     async def Generate(self, message: Any, grpc_context: RayServegRPCContext) -> AsyncIterator[Any]:

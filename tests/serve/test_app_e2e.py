@@ -211,8 +211,12 @@ def test_grpc_health_checking_and_reflection(cluster: ServeCluster) -> None:
         watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         watch.cancel()
-        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        reflection = ProtoReflectionDescriptorDatabase(channel)
+        services = set(reflection.get_services())
+        # What grpcurl needs to call a method it has never seen: the file that defines it.
+        generate_file = reflection.FindFileContainingSymbol(SERVICE_NAME)
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
+    assert "GenerateChunk" in {message.name for message in generate_file.message_type}
 
 
 # ----------------------------------------------------------------------------- concurrency
