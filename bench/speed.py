@@ -37,23 +37,29 @@ from ddtree_serve.models import (
     load_tokenizer,
 )
 
+# Openings in the style of the standard library the bundled pair was trained on (written for
+# this benchmark); acceptance length depends on how in-distribution the text is.
 PROMPTS = [
-    "def fibonacci(n):",
-    "import numpy as np\n\ndef softmax(x):",
-    "class Stack:\n    def __init__(self):",
-    "def binary_search(items, target):",
-    "The quick brown fox",
-    "def read_json(path):\n    with open(path) as f:",
-    "for i in range(10):",
-    "def is_prime(n):\n    if n < 2:",
-    "import os\nimport sys\n",
-    "def merge_sort(xs):",
-    "Once upon a time",
-    "def add(a, b):",
-    "class Point:\n    def __init__(self, x, y):",
-    "def factorial(n):",
-    "with open('data.txt') as f:",
-    "def reverse_string(s):",
+    "def _check_arg_types(funcname, *args):\n    hasstr = hasbytes = False\n    for s in args:\n",
+    'class Error(Exception):\n    """Base class for exceptions in this module."""\n    pass\n\n\nclass ',
+    "import os\nimport sys\nimport re\n\n__all__ = [",
+    'def split(p):\n    """Split a pathname.\n\n    Return tuple (head, tail) where tail is everything '
+    'after the final slash.\n    """\n',
+    '    def __init__(self, stream, errors="strict"):\n        self.stream = stream\n',
+    "def getattr_static(obj, attr, default=_sentinel):\n"
+    '    """Retrieve attributes without triggering dynamic lookup.\n',
+    'if __name__ == "__main__":\n    import ',
+    '    def close(self):\n        """Close the file."""\n        if self._file is not None:\n',
+    "def _parse_header(line):\n    parts = line.split(';')\n    key = parts[0].strip()\n",
+    'class Counter(dict):\n    """Dict subclass for counting hashable items."""\n\n'
+    "    def __init__(self, iterable=None, /, **kwds):\n",
+    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__, ",
+    "def _get_default_tempdir():\n    namer = _RandomNameSequence()\n"
+    "    dirlist = _candidate_tempdir_list()\n",
+    "try:\n    import _thread\nexcept ImportError:\n    ",
+    '    @property\n    def name(self):\n        """The name of the underlying file."""\n',
+    "def readlines(self, hint=-1):\n    lines = []\n    total = 0\n    while True:\n",
+    'class Timeout(Exception):\n    """Raised when a lock cannot be acquired in time."""\n\n\ndef ',
 ]
 STEP_TIME_STAGES = (*STEP_STAGES[:1], *STEP_STAGES[2:])  # every stage but prefill
 FORWARD_STAGES = ("draft_forward", "target_forward")
@@ -253,7 +259,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--verify-backend", default="auto", choices=["auto", "torch", "triton", "sgl_kernel"])
-    parser.add_argument("--budgets", default="8,32,64", help="ddtree budgets, comma-separated")
+    parser.add_argument("--budgets", default="16,32,64", help="ddtree budgets, comma-separated")
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
