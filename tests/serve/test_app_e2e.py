@@ -43,6 +43,8 @@ def spans_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(tiny_model_dirs: TinyModelDirs, spans_path: Path) -> Iterator[ServeCluster]:
     raw = tiny_serve_config(
         tiny_model_dirs,
+        # Room for ~1000-token requests: the backpressure test needs streams that outlast it.
+        engine={"max_seq_len": 1024},
         placement={
             "coordinator": {"num_cpus": 0.25},
             "drafter": {"num_cpus": 0.25, "num_gpus": 1},
@@ -288,7 +290,7 @@ class HeldStreams:
 
 def test_backpressure_and_cancelled_streams_free_their_slots(cluster: ServeCluster, stub: Any) -> None:
     """Fill 4 slots and the queue of 8 with long streams, get refused, then disconnect them all."""
-    long_body = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    long_body = {"prompt": PROMPTS[0], "max_tokens": 900, "ignore_eos": True, "stream": True}
     cancelled_before = stats(cluster)["cancelled"]
     url = f"{cluster.http_url}/v1/completions"
     # The engine counts admitted-but-unscheduled requests against its queue: fill the slots
@@ -309,7 +311,7 @@ def test_backpressure_and_cancelled_streams_free_their_slots(cluster: ServeClust
     finally:
         for streams in held:
             streams.close()
-    # 3 rounds of 4 x 200 tokens take far longer: the slots come back because of the cancels.
+    # 3 rounds of 4 x 900 tokens take far longer: the slots come back because of the cancels.
     wait_for(lambda: (s := stats(cluster))["running"] == 0 and s["waiting"] == 0 and s["open_streams"] == 0)
     assert stats(cluster)["cancelled"] - cancelled_before == 12
     ok = httpx.post(f"{cluster.http_url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
@@ -318,7 +320,7 @@ def test_backpressure_and_cancelled_streams_free_their_slots(cluster: ServeClust
 
 # ------------------------------------------------------------------------------ bad inputs
 
-LONG_PROMPT = "a " * 600  # > max_seq_len (256) tokens
+LONG_PROMPT = "a " * 3000  # > max_seq_len (1024) tokens
 HTTP_BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
     # (case, route, body (bytes = raw), status, offending param or None)
     ("not json", "/v1/completions", b"{not json", 400, None),
