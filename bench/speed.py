@@ -130,7 +130,7 @@ class Workers:
 
 
 def run(workers: Workers, mode: str, budget: int, batch_size: int, temperature: float, args) -> Result:
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size * args.waves)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(batch_size, args.num_prompts))]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0, ignore_eos=True)
     warmup = workers.engine(mode, budget, batch_size)
     for i in range(batch_size):
@@ -172,6 +172,27 @@ def run(workers: Workers, mode: str, budget: int, batch_size: int, temperature: 
         stage_ms=stage_ms,
         overhead=1.0 - forward_ms / step_ms,
     )
+
+
+def profile_steps(workers: Workers, budget: int, temperature: float, num_steps: int = 20) -> None:
+    """Operator-level table of `num_steps` ddtree steps at batch 1 (where the time goes)."""
+    engine = workers.engine("ddtree", budget, 1)
+    params = SamplingParams(max_tokens=10_000, temperature=temperature, seed=0, ignore_eos=True)
+    engine.add_request("profile", PROMPTS[0], params)
+    for _ in range(3):
+        engine.step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(num_steps):
+            engine.step()
+    engine.abort_request("profile")
+    engine.step()
+    sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"\nprofile: ddtree-{budget}, batch 1, T={temperature:g}, {num_steps} steps")
+    print(profiler.key_averages().table(sort_by=sort_by, row_limit=25))
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def _drain(engine: SpecEngine) -> list:
@@ -263,7 +284,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
-    parser.add_argument("--waves", type=int, default=1, help="prompts per run = batch size x waves")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=16,
+        help="prompts per run (at least the batch size; default %(default)s)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print a torch profiler table of the largest ddtree config at batch 1",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -302,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"step {result.step_ms:6.2f} ms overhead {100 * result.overhead:3.0f}%",
                     flush=True,
                 )
+    if args.profile:
+        profile_steps(workers, max(budgets), temperatures[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results, device)
