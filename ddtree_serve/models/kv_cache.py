@@ -1,14 +1,25 @@
 """A preallocated key/value cache with a fixed number of request slots.
 
-Layout: `keys`/`values` `[layers, slots, max_seq_len, kv_heads, head_dim]`; slot s holds
+Layout: `keys` `[layers, slots, max_seq_len, kv_heads, head_dim]` and `values` the same with
+`value_head_dim` last (equal to `head_dim` except for MLA's decompressed K/V); slot s holds
 `lengths[s]` committed entries at rows `[0, lengths[s])`. Rows past the length are scratch:
 a tree verification writes its nodes there, and `compact` moves the accepted ones down.
 Lengths live on the host (a Python list) so bookkeeping never waits on the device.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per-layer, per-token cache entry of a model family: `num_heads` keys and values per token."""
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
 
 
 class SlotKVCache:
@@ -24,10 +35,12 @@ class SlotKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        value_head_dim: int | None = None,
     ) -> None:
-        shape = (num_layers, num_slots, max_seq_len, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        """`value_head_dim`: size of a value head when it differs from a key head (None: `head_dim`)."""
+        shape = (num_layers, num_slots, max_seq_len, num_kv_heads)
+        self.keys = torch.zeros((*shape, head_dim), dtype=dtype, device=device)
+        self.values = torch.zeros((*shape, value_head_dim or head_dim), dtype=dtype, device=device)
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.lengths = [0] * num_slots
@@ -60,12 +73,12 @@ class SlotKVCache:
         keys: torch.Tensor,
         values: torch.Tensor,
     ) -> None:
-        """Store `keys/values [..., kv_heads, head_dim]` at `(slot_rows, positions)` (same `[...]` shape)."""
+        """Store `keys/values [..., kv_heads, head_dim or value_head_dim]` at `(slot_rows, positions)`."""
         self.keys[layer].index_put_((slot_rows, positions), keys)
         self.values[layer].index_put_((slot_rows, positions), values)
 
     def read(self, layer: int, slots: "SlotIndex", num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows `[0, num_rows)` of each slot: `[B, num_rows, kv_heads, head_dim]` (a view when contiguous)."""
+        """Rows `[0, num_rows)` of each slot: `[B, num_rows, kv_heads, head_dim]` (views when contiguous)."""
         index = slots.index
         return self.keys[layer, index, :num_rows], self.values[layer, index, :num_rows]
 

@@ -1,11 +1,13 @@
 """HF-style model directories: `config.json`, `*.safetensors`, `tokenizer.json`.
 
-Real checkpoints (a local Qwen3 + z-lab DFlash drafter) and the bundled pair go through the
-same functions. Models are built on the meta device and the loaded tensors are assigned in
-place, so a checkpoint is held in memory once, already in the requested dtype and device.
+Real checkpoints (a local Qwen3 or DeepseekV3/Kimi K2 target + z-lab DFlash drafter) and the
+bundled pair go through the same functions; the target's family comes from `families.py`.
+Models are built on the meta device and the loaded tensors are assigned in place, so a
+checkpoint is held in memory once, already in the requested dtype and device.
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,7 +17,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
-from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from ddtree_serve.models.families import TargetModel, target_family
 
 _BUNDLED_DIR = Path(__file__).resolve().parent.parent / "bundled"
 _EMBED_KEY = "model.embed_tokens.weight"
@@ -62,14 +64,21 @@ def load_tensors(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     keys: set[str] | None = None,
+    dtype_for_key: Callable[[str], torch.dtype | None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read every tensor (or only `keys`) of a directory's safetensors shards, cast to `dtype`."""
+    """Read every tensor (or only `keys`) of a directory's safetensors shards, cast to `dtype`.
+
+    `dtype_for_key` overrides the dtype per key (None skips the key without reading it).
+    """
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device=str(device)) as shard:
             for key in shard.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                if keys is None or key in keys:
-                    tensors[key] = shard.get_tensor(key).to(dtype)
+                if keys is not None and key not in keys:
+                    continue
+                key_dtype = dtype if dtype_for_key is None else dtype_for_key(key)
+                if key_dtype is not None:
+                    tensors[key] = shard.get_tensor(key).to(key_dtype)
     return tensors
 
 
@@ -89,13 +98,17 @@ def _assign_weights(module: nn.Module, tensors: dict[str, torch.Tensor], path: P
 
 def load_target_model(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> Qwen3ForCausalLM:
-    """Load a Qwen3/Qwen2/Llama causal LM directory in eval mode."""
+) -> TargetModel:
+    """Load a causal LM directory of any registered family (Qwen3/Qwen2/Llama, DeepseekV3) in eval mode."""
     path = Path(path)
-    config = Qwen3Config.from_dict(read_config(path))
+    raw_config = read_config(path)
+    family = target_family(raw_config)
+    config = family.parse_config(raw_config)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    tensors = load_tensors(path, dtype=dtype, device=device)
+        model = family.build_model(config)
+    tensors = load_tensors(
+        path, dtype=dtype, device=device, dtype_for_key=lambda key: family.tensor_dtype(config, key, dtype)
+    )
     if config.tie_word_embeddings:
         tensors[_HEAD_KEY] = tensors[_EMBED_KEY]
     _assign_weights(model, tensors, path)
@@ -121,7 +134,8 @@ def load_embedding_and_head(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the target's token embedding `[V, H]` and LM head `[V, H]`, for the drafter to borrow."""
     target_path = Path(target_path)
-    config = Qwen3Config.from_dict(read_config(target_path))
+    raw_config = read_config(target_path)
+    config = target_family(raw_config).parse_config(raw_config)
     tensors = load_tensors(target_path, dtype=dtype, device=device, keys={_EMBED_KEY, _HEAD_KEY})
     embed = tensors[_EMBED_KEY]
     head = embed if config.tie_word_embeddings else tensors[_HEAD_KEY]

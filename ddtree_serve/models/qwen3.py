@@ -19,10 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddtree_serve.models.kv_cache import KVLayout
 from ddtree_serve.models.layers import DecoderLayer, KVStore, LayerShape, RMSNorm, RotaryEmbedding
 
 # model_type -> (qk_norm, attention_bias default); other Llama-family types refuse to load
 _FAMILY = {"qwen3": (True, False), "qwen2": (False, True), "llama": (False, False)}
+MODEL_TYPES = tuple(_FAMILY)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,10 @@ class Qwen3Config:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(self.num_key_value_heads, self.head_dim, self.head_dim)
+
+    @property
     def layer_shape(self) -> LayerShape:
         return LayerShape(
             hidden_size=self.hidden_size,
@@ -150,23 +156,39 @@ class Qwen3ForCausalLM(nn.Module):
         S columns are whatever `kv_store.update` returns (e.g. a cached prefix then the T new
         tokens). `output_layer_ids` names decoder layers (0-based) whose outputs to keep.
         """
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, h.dtype)
-        wanted = set(output_layer_ids)
-        layer_hidden: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, mask, kv_store)
-            if i in wanted:
-                layer_hidden[i] = h
-        hidden = self.model.norm(h)
-        last = len(self.model.layers) - 1
-        if last in wanted:  # HF's hidden_states[-1] is taken after the final norm
-            layer_hidden[last] = hidden
-        return DecoderOutput(hidden=hidden, layer_hidden=layer_hidden)
+        return run_decoder(self.model, input_ids, positions, mask, kv_store, output_layer_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[..., H]` -> `[..., V]` in the model dtype."""
         return self.lm_head(hidden)
+
+
+def run_decoder(
+    body: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    kv_store: KVStore | None,
+    output_layer_ids: tuple[int, ...],
+) -> DecoderOutput:
+    """The decoder pass every target family shares: embed, rotate, run the layers, final norm.
+
+    `body` is an HF-style `model.` module with `embed_tokens`, `rotary_emb` (positions ->
+    cos, sin), `layers` (each called as `layer(h, cos, sin, mask, kv_store)`) and `norm`.
+    """
+    h = body.embed_tokens(input_ids)
+    cos, sin = body.rotary_emb(positions, h.dtype)
+    wanted = set(output_layer_ids)
+    layer_hidden: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(body.layers):
+        h = layer(h, cos, sin, mask, kv_store)
+        if i in wanted:
+            layer_hidden[i] = h
+    hidden = body.norm(h)
+    last = len(body.layers) - 1
+    if last in wanted:  # HF's hidden_states[-1] is taken after the final norm
+        layer_hidden[last] = hidden
+    return DecoderOutput(hidden=hidden, layer_hidden=layer_hidden)
 
 
 def context_features(output: DecoderOutput, target_layer_ids: tuple[int, ...]) -> torch.Tensor:

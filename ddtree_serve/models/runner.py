@@ -14,20 +14,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ddtree_serve.models.families import TargetConfig, TargetModel
 from ddtree_serve.models.kv_cache import CacheWriter, SlotIndex, SlotKVCache
 from ddtree_serve.models.loading import load_target_model, read_eos_token_ids
-from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, context_features
+from ddtree_serve.models.qwen3 import context_features
 
 if TYPE_CHECKING:
     from ddtree_serve.tree import VerifyBatch
 
 
 class TargetRunner:
-    """Prefill, verify and commit for a fixed number of request slots."""
+    """Prefill, verify and commit for a fixed number of request slots, for any target family."""
 
     def __init__(
         self,
-        model: Qwen3ForCausalLM,
+        model: TargetModel,
         *,
         num_slots: int,
         max_seq_len: int,
@@ -37,17 +38,19 @@ class TargetRunner:
         """`target_layer_ids`: decoder layers whose outputs form the context features (None: F = 0)."""
         first = next(model.parameters())
         self.model = model
-        self.config: Qwen3Config = model.config
+        self.config: TargetConfig = model.config
         self.device = first.device
         self.dtype = first.dtype
         self.target_layer_ids = tuple(target_layer_ids or ())
         self.eos_token_ids = tuple(eos_token_ids) or self.config.eos_token_ids
+        layout = self.config.kv_layout
         self.cache = SlotKVCache(
             num_layers=self.config.num_hidden_layers,
             num_slots=num_slots,
             max_seq_len=max_seq_len,
-            num_kv_heads=self.config.num_key_value_heads,
-            head_dim=self.config.head_dim,
+            num_kv_heads=layout.num_heads,
+            head_dim=layout.key_dim,
+            value_head_dim=layout.value_dim,
             dtype=self.dtype,
             device=self.device,
         )

@@ -1,0 +1,382 @@
+"""The DeepseekV3 family (DeepSeek-V3, Kimi K2.x): MLA attention, DeepSeek MoE, YaRN RoPE.
+
+Module names and the forward contract mirror `qwen3.py` (HF's `model.embed_tokens`,
+`model.layers.N.self_attn.kv_b_proj`, `model.layers.N.mlp.experts.E.up_proj`, ...), so the same
+`TargetRunner` serves it: prefill, tree verify over a cached prefix, commit and context features
+need nothing family-specific beyond the cache entry shape (`DeepseekV3Config.kv_layout`).
+
+Multi-head latent attention (MLA), as implemented here: keys/values come from a compressed
+latent (`kv_lora_rank` wide, RMS-normed) expanded per head by `kv_b_proj` into a no-RoPE key part
+(`qk_nope_head_dim`) and a value (`v_head_dim`); a decoupled RoPE key part (`qk_rope_head_dim`)
+is computed once per token and shared by all heads. Queries come from `q_proj`, or, when
+`q_lora_rank` is set, through a normed low-rank bottleneck (`q_a_proj` -> `q_a_layernorm` ->
+`q_b_proj`). The cache stores the *decompressed* per-head keys (nope + rope dims) and values:
+simple and exact, but `num_heads * (qk_nope + qk_rope + v) ` numbers per token and layer instead
+of `kv_lora_rank + qk_rope`. Caching the compressed latent and absorbing `kv_b_proj` into the
+query and output projections (as production MLA kernels do) is the next step.
+
+What was checked: float32 logits equal transformers' `DeepseekV3ForCausalLM` on random tiny
+configs (dense first layers, grouped routing, `q_lora_rank` set and null, YaRN and plain RoPE)
+through prefill, decode and tree verify. Not done for real Kimi K2.6 checkpoints: quantized
+weights (int4 compressed-tensors experts, FP8 block-scaled weights) are refused at config
+parsing, not dequantized; the tiktoken-based tokenizer (`tiktoken.model` + custom code) is not
+loaded (`load_tokenizer` reads only `tokenizer.json`); a multimodal wrapper config that nests the
+decoder under `text_config` is not read; no tensor or expert parallelism, so the model must fit
+one device; no multi-token-prediction (MTP) layers (their checkpoint keys are skipped).
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree_serve.models.kv_cache import KVLayout
+from ddtree_serve.models.layers import MLP, KVStore, RMSNorm, RotaryEmbedding, apply_rope
+from ddtree_serve.models.moe import MoE, MoEShape
+from ddtree_serve.models.qwen3 import DecoderOutput, run_decoder
+
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+# DeepSeek's latent norms use a fixed epsilon, not the config's rms_norm_eps
+_LATENT_NORM_EPS = 1e-6
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+# the router stays float32 in every model dtype (HF keeps these two in float32 as well)
+_FLOAT32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    """The fields of a DeepseekV3 / Kimi K2 `config.json` that the model reads (the rest in `raw`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense layers' MLP
+    moe_intermediate_size: int  # one routed or shared expert
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: dict | None = None  # YaRN parameters; None = plain RoPE
+    rope_interleave: bool = True  # DeepSeek checkpoints store RoPE dims as (x0, x1) pairs
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    model_type: str = "deepseek_v3"
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "DeepseekV3Config":
+        """Parse an HF config dict (4.x `rope_scaling` + `rope_theta` or 5.x `rope_parameters`).
+
+        Refuses what the model would silently get wrong: quantized checkpoints, other
+        activations, softmax routing (DeepSeek-V2), MoE layers at a stride, non-YaRN scaling.
+        """
+        model_type = cfg.get("model_type", "deepseek_v3")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} (supported: {list(MODEL_TYPES)})")
+        if cfg.get("quantization_config"):
+            method = cfg["quantization_config"].get("quant_method", "?")
+            raise ValueError(f"quantized checkpoints ({method}) are not supported; use bf16 weights")
+        expected = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+        for key, value in expected.items():
+            if cfg.get(key, value) != value:
+                raise ValueError(f"unsupported {key} {cfg[key]!r} (supported: {value!r})")
+        if cfg.get("moe_layer_freq", 1) != 1:
+            raise ValueError("MoE layers at a stride (moe_layer_freq != 1) are not supported")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10_000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, yarn)")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_nope_head_dim=cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+            n_routed_experts=cfg["n_routed_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            n_group=cfg.get("n_group") or 1,
+            topk_group=cfg.get("topk_group") or 1,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            n_shared_experts=cfg.get("n_shared_experts") or 0,
+            first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope if rope_type == "yarn" else None,
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            model_type=model_type,
+            eos_token_ids=eos_ids,
+            raw=dict(cfg),
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "DeepseekV3Config":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Decompressed MLA entries: every head's key (nope + rope dims) and value."""
+        return KVLayout(self.num_attention_heads, self.qk_head_dim, self.v_head_dim)
+
+    def moe_shape(self) -> MoEShape:
+        return MoEShape(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.moe_intermediate_size,
+            num_experts=self.n_routed_experts,
+            num_shared_experts=self.n_shared_experts,
+            top_k=self.num_experts_per_tok,
+            num_groups=self.n_group,
+            top_groups=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+
+def checkpoint_tensor_dtype(config: DeepseekV3Config, key: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype to load checkpoint tensor `key` in, or None to skip it.
+
+    Skipped: layers past `num_hidden_layers` (DeepSeek-V3's MTP module is stored as layer 61).
+    Router weights and correction biases load in float32 (see `_FLOAT32_SUFFIXES`).
+    """
+    match = _LAYER_KEY.match(key)
+    if match is not None and int(match.group(1)) >= config.num_hidden_layers:
+        return None
+    return torch.float32 if key.endswith(_FLOAT32_SUFFIXES) else dtype
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_frequencies(dim: int, theta: float, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN inverse frequencies `[dim // 2]` (float32) and the cos/sin attention factor.
+
+    Frequencies whose wavelength fits the original context many times (more than `beta_fast`
+    rotations) are kept, those with fewer than `beta_slow` rotations are divided by `factor`,
+    and a linear ramp blends the band between.
+    """
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_positions / original)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_of(num_rotations: float) -> float:  # the dimension that turns num_rotations times
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    # on the CPU even when the model is built on the meta device (see `RotaryEmbedding`)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    inv_freq = (1.0 / (factor * base)) * ramp + (1.0 / base) * (1 - ramp)
+    return inv_freq, float(attention_factor)
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """`RotaryEmbedding` with YaRN frequencies and cos/sin scaled by YaRN's attention factor."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict, max_positions: int) -> None:
+        super().__init__(head_dim, theta)
+        # replaces the plain frequencies before any device copy of them is made
+        self._inv_freq_cpu, self.attention_factor = yarn_frequencies(head_dim, theta, scaling, max_positions)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = super().forward(positions, torch.float32)
+        return (cos * self.attention_factor).to(dtype), (sin * self.attention_factor).to(dtype)
+
+
+def softmax_scale(config: DeepseekV3Config) -> float:
+    """`1/sqrt(qk_head_dim)`, times YaRN's `mscale(factor, mscale_all_dim)` squared when set."""
+    scale = config.qk_head_dim**-0.5
+    mscale_all_dim = (config.rope_scaling or {}).get("mscale_all_dim")
+    if mscale_all_dim:
+        scale *= _yarn_mscale(float(config.rope_scaling["factor"]), float(mscale_all_dim)) ** 2
+    return scale
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA with an explicit boolean mask; hands decompressed per-head K/V to the `KVStore`."""
+
+    def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.rope_interleave = config.rope_interleave
+        self.low_rank_q = config.q_lora_rank is not None
+        self.scale = softmax_scale(config)
+        hidden, heads, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
+        q_out = heads * config.qk_head_dim
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the RoPE part `[B, T, heads, rope_dim]`.
+
+        Interleaved checkpoints pair dims (0, 1), (2, 3), ...; gathering evens then odds turns
+        that into the half-split layout `apply_rope` rotates. Queries and keys both come out
+        in that order, so their dot products are unchanged.
+        """
+        if self.rope_interleave:
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        kv_store: KVStore | None = None,
+    ) -> torch.Tensor:
+        """`x [B, T, H]`, `cos/sin [B, T, rope_dim]`, `mask [B or 1, T, S]` -> `[B, T, H]`."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_q else self.q_proj(x)
+        q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))  # [B, T, h, nope + rope]
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat((q_nope, self._rope(q_rope, cos, sin)), dim=-1)
+
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent))  # [B, T, h * (nope + v)]
+        k_nope, v = kv.unflatten(-1, (self.num_heads, self.nope_dim + self.v_dim)).split(
+            [self.nope_dim, self.v_dim], dim=-1
+        )
+        k_rope = self._rope(k_rope[:, :, None], cos, sin)  # [B, T, 1, rope], shared by all heads
+        k = torch.cat((k_nope, k_rope.expand(-1, -1, self.num_heads, -1)), dim=-1)  # [B, T, h, nope + rope]
+        if kv_store is not None:
+            k, v = kv_store.update(self.layer_idx, k, v)  # [B, S, h, nope + rope], [B, S, h, v]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=self.scale
+        )  # [B, h, T, v]
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    """Pre-norm residual block: MLA, then a dense SwiGLU (first `first_k_dense_replace` layers) or MoE."""
+
+    def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadLatentAttention(config, layer_idx)
+        if layer_idx < config.first_k_dense_replace:
+            self.mlp: nn.Module = MLP(config.hidden_size, config.intermediate_size)
+        else:
+            self.mlp = MoE(config.moe_shape())
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        kv_store: KVStore | None = None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_store)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.rope_scaling is None:
+            self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta)
+        else:
+            self.rotary_emb = YarnRotaryEmbedding(
+                config.qk_rope_head_dim,
+                config.rope_theta,
+                config.rope_scaling,
+                config.max_position_embeddings,
+            )
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Decoder plus LM head, with the same `forward` / `logits` contract as `Qwen3ForCausalLM`."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        kv_store: KVStore | None = None,
+        output_layer_ids: tuple[int, ...] = (),
+    ) -> DecoderOutput:
+        """See `Qwen3ForCausalLM.forward`: `input_ids/positions [B, T]`, `mask [B or 1, T, S]`."""
+        return run_decoder(self.model, input_ids, positions, mask, kv_store, output_layer_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[..., H]` -> `[..., V]` in the model dtype."""
+        return self.lm_head(hidden)

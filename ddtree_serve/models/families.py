@@ -1,0 +1,61 @@
+"""Target model families: which config parser and model class serve a `config.json`.
+
+The family is picked once, from `model_type`, when a directory is loaded; everything after that
+(the runner, the KV cache, the engine) talks to the model through the contract both families
+share: `model(input_ids, positions, mask, kv_store, output_layer_ids) -> DecoderOutput`,
+`model.logits(hidden)`, and a config with `vocab_size`, `hidden_size`, `num_hidden_layers`,
+`tie_word_embeddings`, `eos_token_ids` and `kv_layout`. Adding a family is one entry here.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ddtree_serve.models import deepseek_v3, qwen3
+from ddtree_serve.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+TargetConfig = Qwen3Config | DeepseekV3Config
+TargetModel = Qwen3ForCausalLM | DeepseekV3ForCausalLM
+
+ConfigT = TypeVar("ConfigT", Qwen3Config, DeepseekV3Config)
+
+
+def _requested_dtype(config: Any, key: str, dtype: torch.dtype) -> torch.dtype | None:
+    return dtype
+
+
+@dataclass(frozen=True)
+class TargetFamily(Generic[ConfigT]):
+    """How to read one family's config and build its model (on whatever device is current)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    parse_config: Callable[[dict[str, Any]], ConfigT]
+    build_model: Callable[[ConfigT], TargetModel]
+    # (config, checkpoint key, requested dtype) -> dtype to load the tensor in, None = skip it
+    tensor_dtype: Callable[[ConfigT, str, torch.dtype], torch.dtype | None] = _requested_dtype
+
+
+FAMILIES: tuple[TargetFamily, ...] = (
+    TargetFamily("qwen3", qwen3.MODEL_TYPES, Qwen3Config.from_dict, Qwen3ForCausalLM),
+    TargetFamily(
+        "deepseek_v3",
+        deepseek_v3.MODEL_TYPES,
+        DeepseekV3Config.from_dict,
+        DeepseekV3ForCausalLM,
+        deepseek_v3.checkpoint_tensor_dtype,
+    ),
+)
+
+
+def target_family(config: dict[str, Any]) -> TargetFamily:
+    """The family serving an HF config dict's `model_type` (missing: the Qwen3 family)."""
+    model_type = config.get("model_type", "qwen3")
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    supported = sorted(t for family in FAMILIES for t in family.model_types)
+    raise ValueError(f"unsupported model_type {model_type!r} (supported: {supported})")
