@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ddtree_serve.engine.greedy_walk import greedy_walk_on_host
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
     DraftOutput,
@@ -28,7 +29,7 @@ from ddtree_serve.models import (
     load_tokenizer,
 )
 from ddtree_serve.tree import VerifyBatch, build_chain, build_verify_batch, draft_topk
-from ddtree_serve.verify import VerifyResult, backend_available, target_probs, verify_greedy, verify_sampling
+from ddtree_serve.verify import VerifyResult, backend_available, target_probs, verify_sampling
 
 if TYPE_CHECKING:
     from ddtree_serve.config import EngineConfig
@@ -64,11 +65,17 @@ class LocalTarget:
     ) -> PrefillOutput:
         # One forward for all prompts; timed as the engine's "prefill" stage.
         last_logits, features = self.runner.prefill_batch(list(slots), [list(p) for p in prompts])  # [B, V]
-        # The first token is an "ar" step's bonus: a root-only tree verified with coin_final.
-        roots = build_verify_batch([build_chain([], 0) for _ in slots])
-        logits = last_logits.unsqueeze(1)  # [B, 1, V]
-        result = self._accept(roots, logits, sampling, None, coins)
-        return PrefillOutput(first_tokens=result.bonus_token.cpu(), context=features)
+        if sampling.all_greedy:
+            first_tokens = last_logits.argmax(dim=-1)
+        else:
+            # The first token is an "ar" step's bonus: a root-only tree verified with coin_final.
+            assert coins is not None, "sampling needs coins"
+            roots = build_verify_batch([build_chain([], 0) for _ in slots])
+            no_coins = torch.zeros(roots.batch_size, 1)
+            first_tokens = self._verify_sampling(
+                roots, last_logits.unsqueeze(1), sampling, no_coins, coins
+            ).bonus_token
+        return PrefillOutput(first_tokens=first_tokens.cpu(), context=features)
 
     def verify(
         self,
@@ -83,13 +90,18 @@ class LocalTarget:
         starts = [self.runner.seq_len(slot) for slot in slots]
         with self.timer.stage("target_forward"):
             logits, features = self.runner.verify(list(slots), device_batch, starts)  # [B, N, V], [B, N, F]
-        result = self._accept(device_batch, logits, sampling, coins, coin_final)
-        self.runner.commit(list(slots), result.accept_index)
-        # One device -> host copy for all small results.
-        packed = torch.cat(
-            [result.accept_index, result.accept_len.view(-1, 1), result.bonus_token.view(-1, 1)], dim=1
-        ).cpu()  # [B, D+3]
-        accept_index, accept_len, bonus = packed[:, :-2], packed[:, -2], packed[:, -1]
+        if sampling.all_greedy:
+            # One [B, N] copy to the host, then the walk there (no per-level device syncs).
+            accept_index, accept_len, bonus = greedy_walk_on_host(batch, logits.argmax(dim=-1).cpu())
+        else:
+            assert coins is not None and coin_final is not None, "sampling needs coins"
+            result = self._verify_sampling(device_batch, logits, sampling, coins, coin_final)
+            # One device -> host copy for all small results.
+            packed = torch.cat(
+                [result.accept_index, result.accept_len.view(-1, 1), result.bonus_token.view(-1, 1)], dim=1
+            ).cpu()  # [B, D+3]
+            accept_index, accept_len, bonus = packed[:, :-2], packed[:, -2], packed[:, -1]
+        self.runner.commit(list(slots), accept_index)  # host indices: compaction needs no sync
         context = None
         if return_context:
             context = _accepted_features(features, accept_index, accept_len)
@@ -100,21 +112,16 @@ class LocalTarget:
     def release(self, slot: int) -> None:
         self.runner.release(slot)
 
-    def _accept(
+    def _verify_sampling(
         self,
         batch: VerifyBatch,
         logits: torch.Tensor,
         sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-        coin_final: torch.Tensor | None,
+        coins: torch.Tensor,
+        coin_final: torch.Tensor,
     ) -> VerifyResult:
-        """Greedy walk when every request is greedy, else the lossless sampling walk."""
-        if sampling.all_greedy:
-            return verify_greedy(batch, logits)
-        assert coin_final is not None, "sampling verification needs coins"
+        """The lossless sampling walk on the device (greedy rows become one-hot distributions)."""
         probs = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, N, V]
-        if coins is None:
-            coins = torch.zeros(batch.batch_size, batch.num_slots)
         return verify_sampling(
             batch,
             probs,
