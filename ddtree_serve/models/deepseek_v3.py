@@ -11,18 +11,21 @@ latent (`kv_lora_rank` wide, RMS-normed) expanded per head by `kv_b_proj` into a
 is computed once per token and shared by all heads. Queries come from `q_proj`, or, when
 `q_lora_rank` is set, through a normed low-rank bottleneck (`q_a_proj` -> `q_a_layernorm` ->
 `q_b_proj`). The cache stores the *decompressed* per-head keys (nope + rope dims) and values:
-simple and exact, but `num_heads * (qk_nope + qk_rope + v) ` numbers per token and layer instead
-of `kv_lora_rank + qk_rope`. Caching the compressed latent and absorbing `kv_b_proj` into the
-query and output projections (as production MLA kernels do) is the next step.
+simple and exact, but `num_heads * (qk_nope + qk_rope + v)` numbers per token and layer instead
+of `kv_lora_rank + qk_rope` (for Kimi K2, 64 * 320 = 20480 against 576: about 36x the memory).
+Caching the compressed latent and absorbing `kv_b_proj` into the query and output projections
+(as production MLA kernels do) is the next step.
 
-What was checked: float32 logits equal transformers' `DeepseekV3ForCausalLM` on random tiny
-configs (dense first layers, grouped routing, `q_lora_rank` set and null, YaRN and plain RoPE)
-through prefill, decode and tree verify. Not done for real Kimi K2.6 checkpoints: quantized
-weights (int4 compressed-tensors experts, FP8 block-scaled weights) are refused at config
-parsing, not dequantized; the tiktoken-based tokenizer (`tiktoken.model` + custom code) is not
-loaded (`load_tokenizer` reads only `tokenizer.json`); a multimodal wrapper config that nests the
-decoder under `text_config` is not read; no tensor or expert parallelism, so the model must fit
-one device; no multi-token-prediction (MTP) layers (their checkpoint keys are skipped).
+What was checked (tests/models/test_deepseek_v3.py, float32, CPU, random tiny configs with dense
+first layers, grouped routing, `q_lora_rank` set and null, YaRN and plain RoPE): logits and
+context features equal transformers' `DeepseekV3ForCausalLM` through the runner's prefill and
+decode, and tree verify equals decoding each node's path. Not done for real Kimi K2.6
+checkpoints (none was loaded here): quantized weights (any `quantization_config`, e.g. int4
+compressed-tensors or FP8 block scales) are refused at config parsing, not dequantized; the
+tiktoken-based tokenizer (`tiktoken.model` + custom code) is not loaded (`load_tokenizer` reads
+only `tokenizer.json`); a multimodal wrapper config that nests the decoder under `text_config`
+is not read; no tensor or expert parallelism, so the whole model must fit one device; no
+multi-token-prediction (MTP) layers (their checkpoint keys are skipped).
 """
 
 import json
@@ -66,12 +69,14 @@ class DeepseekV3Config:
     v_head_dim: int
     n_routed_experts: int
     num_experts_per_tok: int
-    n_group: int = 1
-    topk_group: int = 1
+    # defaults below are transformers' (the DeepSeek-V3 values), so an omitted key means what
+    # it means to HF; a null group count means no grouping
+    n_group: int = 8
+    topk_group: int = 4
     norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
+    routed_scaling_factor: float = 2.5
     n_shared_experts: int = 1
-    first_k_dense_replace: int = 0
+    first_k_dense_replace: int = 3
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
     rope_scaling: dict | None = None  # YaRN parameters; None = plain RoPE
@@ -123,12 +128,12 @@ class DeepseekV3Config:
             v_head_dim=cfg["v_head_dim"],
             n_routed_experts=cfg["n_routed_experts"],
             num_experts_per_tok=cfg["num_experts_per_tok"],
-            n_group=cfg.get("n_group") or 1,
-            topk_group=cfg.get("topk_group") or 1,
+            n_group=cfg.get("n_group", 8) or 1,
+            topk_group=cfg.get("topk_group", 4) or 1,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            n_shared_experts=cfg.get("n_shared_experts") or 0,
-            first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+            n_shared_experts=cfg.get("n_shared_experts", 1) or 0,
+            first_k_dense_replace=cfg.get("first_k_dense_replace", 3) or 0,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope if rope_type == "yarn" else None,
