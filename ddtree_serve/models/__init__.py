@@ -1,5 +1,7 @@
-"""Models: the Qwen3/Llama target runner (slot KV cache, tree verify, commit) and the DFlash drafter."""
+"""Models: target runners for the Qwen3/Llama and DeepseekV3 (Kimi K2) families (slot KV cache, tree
+verify, commit) and the DFlash drafter."""
 
+from ddtree_serve.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
 from ddtree_serve.models.drafter import DFlashDrafter
 from ddtree_serve.models.loading import (
@@ -17,6 +19,8 @@ __all__ = [
     "DFlashConfig",
     "DFlashDraftModel",
     "DFlashDrafter",
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
     "Qwen3Config",
     "Qwen3ForCausalLM",
     "TargetRunner",
