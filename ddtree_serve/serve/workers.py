@@ -7,10 +7,12 @@ runs unchanged, Ray only adds transport.
 
 Context features never enter the Coordinator: `prefill` and `verify` have `num_returns=2`, the
 second return being the features, whose `ObjectRef` the engine forwards untouched inside its
-`ContextSlice`s to `DrafterWorker.draft`, which resolves them where they are used. (Ray inlines
+`ContextSlice`s; `RayDrafter` hands each distinct ref to `DrafterWorker.draft` as a top-level
+argument, so Ray resolves it into the drafter's process before the call runs. (Ray inlines
 return values under `max_direct_call_object_size`, 100 KiB by default, into the caller's
 memory: a toy model's few-KiB features do pass through the Coordinator's memory; real models'
 features, taps x hidden x accepted tokens, go through the object store target -> drafter.)
+Tensors cross every actor boundary as numpy arrays (`wire.py`: several times cheaper in Ray).
 """
 
 import dataclasses
@@ -29,6 +31,7 @@ from ddtree_serve.engine.interfaces import (
     Target,
     VerifyOutput,
 )
+from ddtree_serve.serve.wire import from_wire, to_wire
 
 if TYPE_CHECKING:
     from ddtree_serve.tree import VerifyBatch
@@ -58,9 +61,9 @@ class TargetWorker:
         prompts: Sequence[Sequence[int]],
         sampling: SamplingBatch,
         coins: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, Any]:
-        output = self._target.prefill(slots, prompts, sampling, coins)
-        return output.first_tokens, output.context
+    ) -> tuple[Any, Any]:
+        output = self._target.prefill(slots, prompts, from_wire(sampling), from_wire(coins))
+        return to_wire(output.first_tokens), to_wire(output.context)
 
     @ray.method(num_returns=2)
     def verify(
@@ -71,9 +74,16 @@ class TargetWorker:
         coins: torch.Tensor | None,
         coin_final: torch.Tensor | None,
         return_context: bool,
-    ) -> tuple[VerifyOutput, Any]:
-        output = self._target.verify(slots, batch, sampling, coins, coin_final, return_context)
-        return dataclasses.replace(output, context=None), output.context
+    ) -> tuple[Any, Any]:
+        output = self._target.verify(
+            slots,
+            from_wire(batch),
+            from_wire(sampling),
+            from_wire(coins),
+            from_wire(coin_final),
+            return_context,
+        )
+        return to_wire(dataclasses.replace(output, context=None)), to_wire(output.context)
 
     def release(self, slot: int) -> None:
         self._target.release(slot)
@@ -92,18 +102,18 @@ class DrafterWorker:
     def draft(
         self,
         slots: Sequence[int],
-        bonus_tokens: torch.Tensor,
-        contexts: Sequence[ContextSlice],
+        bonus_tokens: Any,
+        pointers: Sequence[tuple[int, int]],
         top_k: int,
-    ) -> DraftOutput:
-        # The handles are ObjectRefs of target calls; fetch each distinct one once, here.
-        refs = list(dict.fromkeys(c.handle for c in contexts if isinstance(c.handle, ray.ObjectRef)))
-        resolved = dict(zip(refs, ray.get(refs), strict=True))
-        local = [
-            ContextSlice(resolved[c.handle] if isinstance(c.handle, ray.ObjectRef) else c.handle, c.index)
-            for c in contexts
-        ]
-        return self._drafter.draft(slots, bonus_tokens, local, top_k)
+        *handles: Any,
+    ) -> Any:
+        """`pointers[i] = (h, j)`: request i's context is entry j of `handles[h]`.
+
+        `handles` are the target calls' context results, resolved by Ray from the ObjectRefs
+        the coordinator passed (one per distinct producing call)."""
+        features = [from_wire(handle) for handle in handles]
+        contexts = [ContextSlice(features[h], j) for h, j in pointers]
+        return to_wire(self._drafter.draft(slots, from_wire(bonus_tokens), contexts, top_k))
 
     def release(self, slot: int) -> None:
         self._drafter.release(slot)
@@ -138,8 +148,10 @@ class RayTarget:
         sampling: SamplingBatch,
         coins: torch.Tensor | None,
     ) -> PrefillOutput:
-        first_tokens_ref, context_ref = self._actor.prefill.remote(list(slots), prompts, sampling, coins)
-        return PrefillOutput(first_tokens=ray.get(first_tokens_ref), context=context_ref)
+        first_tokens_ref, context_ref = self._actor.prefill.remote(
+            list(slots), prompts, to_wire(sampling), to_wire(coins)
+        )
+        return PrefillOutput(first_tokens=from_wire(ray.get(first_tokens_ref)), context=context_ref)
 
     def verify(
         self,
@@ -151,9 +163,14 @@ class RayTarget:
         return_context: bool,
     ) -> VerifyOutput:
         output_ref, context_ref = self._actor.verify.remote(
-            list(slots), batch, sampling, coins, coin_final, return_context
+            list(slots),
+            to_wire(batch),
+            to_wire(sampling),
+            to_wire(coins),
+            to_wire(coin_final),
+            return_context,
         )
-        output: VerifyOutput = ray.get(output_ref)
+        output: VerifyOutput = from_wire(ray.get(output_ref))
         return dataclasses.replace(output, context=context_ref if return_context else None)
 
     def release(self, slot: int) -> None:
@@ -180,7 +197,14 @@ class RayDrafter:
         contexts: Sequence[ContextSlice],
         top_k: int,
     ) -> DraftOutput:
-        return ray.get(self._actor.draft.remote(list(slots), bonus_tokens, list(contexts), top_k))
+        # Distinct producing calls in order (ObjectRefs hash and compare by object id).
+        position: dict[Any, int] = {}
+        for context in contexts:
+            position.setdefault(context.handle, len(position))
+        pointers = [(position[context.handle], context.index) for context in contexts]
+        handles = list(position)
+        draft_ref = self._actor.draft.remote(list(slots), to_wire(bonus_tokens), pointers, top_k, *handles)
+        return from_wire(ray.get(draft_ref))
 
     def release(self, slot: int) -> None:
         self._actor.release.remote(slot)

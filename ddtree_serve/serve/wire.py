@@ -1,0 +1,59 @@
+"""Torch tensors as numpy arrays while they cross actor boundaries.
+
+Ray serializes numpy arrays out of band (no copy through pickle) but torch tensors through a
+slow generic path: measured on the 2-core CI machine, one actor call with eight small int64
+tensors as arguments takes ~9 ms against ~1.3 ms for the same data as numpy arrays. A step
+sends a `VerifyBatch` (eight tensors), sampling tensors and coins, and gets tensors back, so
+the worker adapters pack every tensor inside their arguments and results with `to_wire` and
+unpack with `from_wire`, walking lists, tuples and dataclasses.
+"""
+
+import copy
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+# Dtypes numpy lacks travel as same-width integer views.
+_VIEW_DTYPES = {torch.bfloat16: torch.int16}
+
+
+@dataclasses.dataclass(frozen=True)
+class WireTensor:
+    """A CPU tensor's data as a numpy array plus its torch dtype (only these become tensors again)."""
+
+    array: np.ndarray
+    dtype: torch.dtype
+
+
+def to_wire(value: Any) -> Any:
+    """`value` with every torch tensor replaced by a `WireTensor` (moved to the host)."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        view_dtype = _VIEW_DTYPES.get(tensor.dtype)
+        array = (tensor.view(view_dtype) if view_dtype else tensor).numpy()
+        return WireTensor(array, tensor.dtype)
+    return _map(value, to_wire)
+
+
+def from_wire(value: Any) -> Any:
+    """Inverse of `to_wire`: `WireTensor`s become CPU tensors again."""
+    if isinstance(value, WireTensor):
+        # Arrays from Ray's object store are read-only; torch tensors must own writable memory.
+        array = value.array if value.array.flags.writeable else value.array.copy()
+        tensor = torch.from_numpy(array)
+        return tensor.view(value.dtype) if value.dtype in _VIEW_DTYPES else tensor
+    return _map(value, from_wire)
+
+
+def _map(value: Any, convert: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return type(value)(convert(item) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # Frozen dataclasses: copy, then set each field (no __init__, so derived fields survive).
+        converted = copy.copy(value)
+        for field in dataclasses.fields(value):
+            object.__setattr__(converted, field.name, convert(getattr(value, field.name)))
+        return converted
+    return value
