@@ -22,7 +22,11 @@ from torch import nn
 
 @dataclass(frozen=True)
 class LayerShape:
-    """The sizes one decoder layer needs; `qk_norm` is Qwen3's per-head RMSNorm on q and k."""
+    """The sizes one decoder layer needs; `qk_norm` is Qwen3's per-head RMSNorm on q and k.
+
+    `attention_bias` puts biases on q/k/v; `o_proj_bias` on the output projection (None: same as
+    `attention_bias`, as in Llama and Qwen3; Qwen2 has q/k/v biases and none on o_proj).
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -32,6 +36,7 @@ class LayerShape:
     rms_norm_eps: float
     attention_bias: bool = False
     qk_norm: bool = True
+    o_proj_bias: bool | None = None
 
 
 class KVStore(Protocol):
@@ -161,7 +166,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(shape.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(shape.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(shape.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, shape.hidden_size, bias=bias)
+        o_bias = bias if shape.o_proj_bias is None else shape.o_proj_bias
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, shape.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
 

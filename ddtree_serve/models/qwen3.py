@@ -105,6 +105,7 @@ class Qwen3Config:
             rms_norm_eps=self.rms_norm_eps,
             attention_bias=self.attention_bias,
             qk_norm=self.qk_norm,
+            o_proj_bias=False if self.model_type == "qwen2" else None,
         )
 
 

@@ -70,3 +70,28 @@ def test_expanded_and_grouped_kv_attention_agree() -> None:
     expanded = grouped_attention(q, k, v, mask, expand_kv=True)
     assert grouped.shape == (2, 5, 4, 8)
     assert (grouped - expanded).abs().max() < 1e-5
+
+
+def test_qwen2_with_qkv_biases_matches_transformers(tmp_path: Path) -> None:
+    """Qwen2 has q/k/v biases but no o_proj bias; its checkpoints must load and match."""
+    config = transformers.Qwen2Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # HF initialises biases to 0; make them matter
+        for name, param in hf_model.named_parameters():
+            if name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    hf_model.save_pretrained(tmp_path)
+    ours = load_target_model(tmp_path)
+    input_ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf_model(input_ids).logits
+        logits = ours.logits(ours(input_ids, torch.arange(12)[None], causal_mask(12)).hidden)
+    assert (logits - expected).abs().max() < 1e-4
