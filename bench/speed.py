@@ -285,9 +285,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperatures", default="0,1", help="comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument(
-        "--cudnn-attention", action="store_true", help="keep cuDNN attention enabled (CUDA only; default off)"
-    )
-    parser.add_argument(
         "--num-prompts",
         type=int,
         default=16,
@@ -312,11 +309,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not args.cudnn_attention:
-        # cuDNN's attention builds an execution plan for every new sequence length, and decoding
-        # grows the length every step: measured on the H200, first-seen shapes made steps 2-5x
-        # slower. The memory-efficient kernel takes the same masks without per-shape plans.
-        torch.backends.cuda.enable_cudnn_sdp(False)
     budgets = [int(b) for b in args.budgets.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
