@@ -162,35 +162,41 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-async def run_levels(path: str, request: TimedRequest, args: argparse.Namespace) -> list[LevelResult]:
-    await closed_loop(request, 1, 2)  # warm-up: first-call costs out of the figures
-    results = []
-    for concurrency in args.concurrency:
-        num_requests = max(args.min_requests, args.requests_per_client * concurrency)
-        timings, wall_s = await closed_loop(request, concurrency, num_requests)
-        results.append(LevelResult(path, concurrency, timings, wall_s))
-    return results
-
-
-async def bench_in_process(engine_config: EngineConfig, args: argparse.Namespace) -> list[LevelResult]:
-    llm = AsyncLLM(build_local_engine(engine_config))
-    try:
-        return await run_levels("in-process", engine_request(llm, args.max_tokens), args)
-    finally:
-        llm.shutdown()
-
-
-async def bench_served(config: ServeConfig, args: argparse.Namespace) -> list[LevelResult]:
+async def run_all(
+    engine_config: EngineConfig, config: ServeConfig, args: argparse.Namespace
+) -> list[LevelResult]:
+    """Every level runs in-process, HTTP and gRPC back to back (`--repeats` sweeps), so a load
+    change on a shared machine hits all three paths alike; a level's result is its median sweep."""
     from ddtree_serve.serve.protos import DDTreeServeStub
 
-    url = f"http://127.0.0.1:{config.http.port}"
-    results = []
+    llm = AsyncLLM(build_local_engine(engine_config))
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        results += await run_levels("http", http_request(client, url, args.max_tokens), args)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc.port}") as channel:
-        results += await run_levels("grpc", grpc_request(DDTreeServeStub(channel), args.max_tokens), args)
-    return results
+    try:
+        async with (
+            httpx.AsyncClient(timeout=600, limits=limits) as client,
+            grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc.port}") as channel,
+        ):
+            paths = {
+                "in-process": engine_request(llm, args.max_tokens),
+                "http": http_request(client, f"http://127.0.0.1:{config.http.port}", args.max_tokens),
+                "grpc": grpc_request(DDTreeServeStub(channel), args.max_tokens),
+            }
+            for request in paths.values():
+                await closed_loop(request, 1, 2)  # warm-up: first-call costs out of the figures
+            sweeps: dict[tuple[str, int], list[LevelResult]] = {}
+            for _ in range(args.repeats):
+                for concurrency in args.concurrency:
+                    num_requests = max(args.min_requests, args.requests_per_client * concurrency)
+                    for path, request in paths.items():
+                        timings, wall_s = await closed_loop(request, concurrency, num_requests)
+                        sweeps.setdefault((path, concurrency), []).append(
+                            LevelResult(path, concurrency, timings, wall_s)
+                        )
+    finally:
+        llm.shutdown()
+    medians = [sorted(runs, key=lambda r: r.throughput)[len(runs) // 2] for runs in sweeps.values()]
+    order = list(paths)
+    return sorted(medians, key=lambda r: (order.index(r.path), r.concurrency))
 
 
 def start_application(config: ServeConfig) -> None:
@@ -224,6 +230,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1, help="Sweeps; each level reports its median.")
     parser.add_argument(
         "--threads",
         type=int,
@@ -254,19 +261,18 @@ def main() -> None:
         observability={"metrics": False},  # type: ignore[arg-type]
         placement={"workers": args.workers},  # type: ignore[arg-type]
     )
-    local = asyncio.run(bench_in_process(engine_config, args))
     start_application(config)
     try:
-        served = asyncio.run(bench_served(config, args))
+        results = asyncio.run(run_all(engine_config, config, args))
     finally:
         stop_application()
 
-    baseline = {r.concurrency: r.throughput for r in local}
+    baseline = {r.concurrency: r.throughput for r in results if r.path == "in-process"}
     print(f"\nmode={args.mode} budget={args.budget} max_tokens={args.max_tokens}", end=" ")
     print(f"workers={args.workers} threads={args.threads}\n")
     print("| path       |   c | reqs | TTFT p50 | TTFT p90 | TPOT ms |    tok/s | ratio |")
     print("|------------|-----|------|----------|----------|---------|----------|-------|")
-    for result in local + served:
+    for result in results:
         print(result.row(None if result.path == "in-process" else baseline[result.concurrency]))
     print("\nTTFT in ms; TPOT = median ms per output token after the first chunk;")
     print("ratio = tok/s / in-process tok/s at the same concurrency.")
