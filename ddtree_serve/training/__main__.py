@@ -1,6 +1,7 @@
 """`python -m ddtree_serve.training`: train the bundled tokenizer + target + DFlash drafter pair."""
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer_path=tokenizer,
         target_from=args.target_from,
         drafter_from=args.drafter_from,
+        command=" ".join(["python -m ddtree_serve.training", *(sys.argv[1:] if argv is None else argv)]),
     )
 
 

@@ -8,7 +8,6 @@ runtime's own config parsers, so what was trained is what loads.
 
 import json
 import platform
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -46,6 +45,7 @@ def train_pair(
     tokenizer_path: Path | None = None,
     target_from: Path | None = None,
     drafter_from: Path | None = None,
+    command: str = "",
 ) -> dict[str, Any]:
     """Run the stages and write the pair into `out_dir`; returns (and writes) the report."""
     started = time.perf_counter()
@@ -63,7 +63,7 @@ def train_pair(
         "python": platform.python_version(),
         "torch": torch.__version__,
         "corpus_root": str(stdlib_root()),
-        "command": " ".join(sys.argv),
+        "command": command,
     }
 
     # stage 1: tokenizer
