@@ -42,7 +42,8 @@ from ddtree_serve.serve.workers import (
 
 logger = logging.getLogger("ray.serve")
 
-COORDINATOR_BUNDLE, DRAFTER_BUNDLE, TARGET_BUNDLE = 0, 1, 2
+# Bundle 0 is the Coordinator replica itself (Serve places the replica there).
+DRAFTER_BUNDLE, TARGET_BUNDLE = 1, 2
 # Serve-level headroom above the engine's own limit, so the engine (not Serve's queue) refuses
 # the request that overflows and the caller gets 503 / RESOURCE_EXHAUSTED at once.
 _ONGOING_HEADROOM = 4

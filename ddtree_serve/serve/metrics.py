@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 
 from ray.serve import metrics
 
-STEP_PHASES: tuple[str, ...] = ("draft", "build", "verify", "commit")
 _LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 

@@ -6,13 +6,13 @@ here and by `SamplingParams`, and every refusal becomes a `RequestError` (HTTP 4
 """
 
 import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.errors import invalid
-from ddtree_serve.serve.protocol import CHAT_END, CHAT_ROLES, GenerationChunk, render_chat
+from ddtree_serve.serve.protocol import CHAT_END, CHAT_ROLES, render_chat
 
 
 class StreamOptions(BaseModel):
@@ -129,10 +129,6 @@ def build_sampling_params(
         raise invalid(str(error)) from error
 
 
-def usage_dict(chunk: GenerationChunk) -> dict[str, Any] | None:
-    return chunk.usage.openai_dict() if chunk.usage is not None else None
-
-
 def completion_body(
     request_id: str,
     model: str,
@@ -194,6 +190,3 @@ def usage_event(request_id: str, model: str, usage: dict[str, Any], *, chat: boo
         "choices": [],
         "usage": usage,
     }
-
-
-FinishReason = Literal["stop", "length", "abort"]
