@@ -4,6 +4,7 @@ Ray allows one cluster per process, so the module that needs a cluster asks for 
 once and shares the deployed application between its tests.
 """
 
+import shutil
 import socket
 import tempfile
 import time
@@ -87,6 +88,7 @@ def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterat
     finally:
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _wait_until_healthy(http_url: str, attempts: int = 120) -> None:
