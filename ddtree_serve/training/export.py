@@ -1,7 +1,7 @@
-"""Write trained modules as HF-style model directories (config.json + model.safetensors).
+"""Write trained modules as HF-style model directories, in half precision.
 
-Weights are stored in half precision to keep the bundled pair small. A tied LM head is not
-stored (its tensor is the embedding), as Hugging Face does for tied checkpoints.
+The directory writer is the models package's own (`save_model_dir`), so the training output
+has exactly the layout the loader reads; this adds the storage dtype and HF's generation config.
 """
 
 import json
@@ -9,31 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
+
+from ddtree_serve.models.loading import save_model_dir
 
 STORAGE_DTYPE = torch.float16
 STORAGE_DTYPE_NAME = "float16"
 
 
-def half_precision_state(module: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """The module's parameters and persistent buffers as contiguous CPU fp16 tensors."""
-    return {
-        name: tensor.detach().to("cpu", STORAGE_DTYPE).contiguous()
-        for name, tensor in module.state_dict().items()
-        if name not in skip
-    }
-
-
-def save_model_dir(
-    model_dir: Path, config: dict[str, Any], state: dict[str, torch.Tensor], metadata: dict[str, str]
-) -> int:
-    """Write config.json and model.safetensors into `model_dir`; returns the weights' size in bytes."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weights_path = model_dir / "model.safetensors"
-    save_file(state, str(weights_path), metadata={"format": "pt", **metadata})
-    return weights_path.stat().st_size
+def save_half_precision(module: nn.Module, config: dict[str, Any], model_dir: Path) -> int:
+    """config.json + float16 model.safetensors (a tied head stored once); returns the weights' bytes."""
+    save_model_dir(module, config, model_dir, dtype=STORAGE_DTYPE)
+    return (model_dir / "model.safetensors").stat().st_size
 
 
 def save_generation_config(model_dir: Path, eos_token_id: int) -> None:

@@ -22,12 +22,7 @@ from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from ddtree_serve.training.corpus import load_corpus, stdlib_root
 from ddtree_serve.training.data import encode_stream
 from ddtree_serve.training.drafter import train_drafter
-from ddtree_serve.training.export import (
-    STORAGE_DTYPE_NAME,
-    half_precision_state,
-    save_generation_config,
-    save_model_dir,
-)
+from ddtree_serve.training.export import STORAGE_DTYPE_NAME, save_generation_config, save_half_precision
 from ddtree_serve.training.loop import init_weights
 from ddtree_serve.training.recipe import PairRecipe, drafter_hf_config, target_hf_config
 from ddtree_serve.training.target import heldout_lm_loss, train_target
@@ -112,10 +107,7 @@ def train_pair(
         result = train_target(target, train_stream, heldout_stream, schedule, generator)
         report["target"] = {**asdict(result), "tokens_per_s": result.tokens_per_s}
     report["target"]["num_params"] = sum(p.numel() for p in target.parameters())
-    skip = ("lm_head.weight",) if target.config.tie_word_embeddings else ()
-    report["target"]["weights_bytes"] = save_model_dir(
-        target_dir, target_config, half_precision_state(target, skip), {"trained_by": "ddtree_serve.training"}
-    )
+    report["target"]["weights_bytes"] = save_half_precision(target, target_config, target_dir)
     save_generation_config(target_dir, eos_id)
     print(f"target: held-out loss {report['target']['heldout_loss']:.4f}")
 
@@ -142,12 +134,7 @@ def train_pair(
         "generated_rows": drafter_result.generated_rows,
         "num_params": sum(p.numel() for p in draft_model.parameters()),
     }
-    report["drafter"]["weights_bytes"] = save_model_dir(
-        drafter_dir,
-        drafter_config,
-        half_precision_state(draft_model),
-        {"trained_by": "ddtree_serve.training"},
-    )
+    report["drafter"]["weights_bytes"] = save_half_precision(draft_model, drafter_config, drafter_dir)
     print(
         f"drafter: held-out loss {drafter_result.stage.heldout_loss:.4f}, "
         f"greedy tau {drafter_result.heldout_greedy_tau:.3f}"

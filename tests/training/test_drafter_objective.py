@@ -1,10 +1,14 @@
 """The DFlash training objective: anchors, the block-structured mask, what each block can see."""
 
+from pathlib import Path
+
 import torch
 
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
+from ddtree_serve.models.drafter import DFlashDrafter
 from ddtree_serve.models.layers import causal_mask
-from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from ddtree_serve.models.loading import save_model_dir
+from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, context_features
 from ddtree_serve.training.drafter import block_attention_mask, dflash_loss, sample_anchors
 from ddtree_serve.training.generation import continue_prompts
 from ddtree_serve.training.loop import init_weights
@@ -103,3 +107,34 @@ def test_cached_continuation_is_greedy_after_the_sampled_prefix() -> None:
                 hidden = target(row, torch.arange(length)[None], causal_mask(length)).hidden
                 row = torch.cat([row, target.logits(hidden[:, -1]).argmax(-1, keepdim=True)], dim=1)
             assert torch.equal(out[b], row[0])
+
+
+def test_runtime_drafter_reproduces_the_training_forward(tmp_path: Path) -> None:
+    """What the drafter is trained on is what `DFlashDrafter.draft` computes at serving time."""
+    target, draft = tiny_pair()
+    save_model_dir(target, target_hf_config(SMOKE, EOS_ID, "float32"), tmp_path / "target")
+    save_model_dir(draft, drafter_hf_config(SMOKE, EOS_ID, MASK_ID, "float32"), tmp_path / "drafter")
+    runtime = DFlashDrafter.from_pretrained(
+        tmp_path / "drafter", tmp_path / "target", num_slots=1, max_seq_len=64
+    )
+    block_size, seq_len = draft.config.block_size, 32
+    tokens = torch.randint(2, SMOKE.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(6))
+    anchors = torch.tensor([[6, 20]])
+    with torch.no_grad():
+        positions = torch.arange(seq_len)[None]
+        out = target(tokens, positions, causal_mask(seq_len), output_layer_ids=draft.config.target_layer_ids)
+        features = context_features(out, draft.config.target_layer_ids)
+        block = torch.full((1, 2, block_size), MASK_ID)
+        block[:, :, 0] = tokens.gather(1, anchors)
+        hidden = draft(
+            target.model.embed_tokens(block.flatten(1)),
+            (anchors[:, :, None] + torch.arange(block_size)).flatten(1),
+            block_attention_mask(anchors, seq_len, block_size),
+            features,
+            positions,
+        ).unflatten(1, (2, block_size))
+        trained_logits = target.logits(hidden[:, :, 1:])  # [1, 2, bs-1, V]
+    for n, anchor in enumerate(anchors[0].tolist()):
+        served = runtime.draft([0], tokens[:, anchor], [features[0, :anchor]])  # [1, bs-1, V]
+        runtime.release(0)
+        torch.testing.assert_close(served[0], trained_logits[0, n], rtol=1e-4, atol=1e-4)
