@@ -18,6 +18,7 @@ the ratio is what serving costs there, not a property of the algorithm.
 import argparse
 import asyncio
 import json
+import shutil
 import socket
 import statistics
 import tempfile
@@ -199,23 +200,24 @@ async def run_all(
     return sorted(medians, key=lambda r: (order.index(r.path), r.concurrency))
 
 
-def start_application(config: ServeConfig) -> None:
+def start_application(config: ServeConfig, ray_dir: str) -> None:
     import ray
     from ray import serve
 
     from ddtree_serve.serve.app import build_app, serve_start_options
 
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ddtree-bench-"))
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_dir)
     serve.start(**serve_start_options(config))
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
 
 
-def stop_application() -> None:
+def stop_application(ray_dir: str) -> None:
     import ray
     from ray import serve
 
     serve.shutdown()
     ray.shutdown()
+    shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def main() -> None:
@@ -261,11 +263,12 @@ def main() -> None:
         observability={"metrics": False},  # type: ignore[arg-type]
         placement={"workers": args.workers},  # type: ignore[arg-type]
     )
-    start_application(config)
+    ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
+    start_application(config, ray_dir)
     try:
         results = asyncio.run(run_all(engine_config, config, args))
     finally:
-        stop_application()
+        stop_application(ray_dir)
 
     baseline = {r.concurrency: r.throughput for r in results if r.path == "in-process"}
     print(f"\nmode={args.mode} budget={args.budget} max_tokens={args.max_tokens}", end=" ")
