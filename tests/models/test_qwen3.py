@@ -11,6 +11,17 @@ from ddtree_serve.models.loading import load_target_model
 from ddtree_serve.models.qwen3 import context_features
 from tests.models.hf_qwen3 import save_hf_qwen3
 
+# a tiny two-layer GQA decoder, for the family tests that build their transformers config here
+TINY_DECODER = {
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_full_sequence_logits_match_transformers(tmp_path: Path, tie: bool) -> None:
@@ -37,16 +48,7 @@ def test_llama_with_llama3_rope_matches_transformers(tmp_path: Path) -> None:
         "original_max_position_embeddings": 16,
         "rope_theta": 500000.0,
     }
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_scaling=rope,
-    )
+    config = transformers.LlamaConfig(**TINY_DECODER, rope_scaling=rope)
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(config).eval()
     hf_model.save_pretrained(tmp_path)
@@ -74,14 +76,7 @@ def test_expanded_and_grouped_kv_attention_agree() -> None:
 
 def test_qwen2_with_qkv_biases_matches_transformers(tmp_path: Path) -> None:
     """Qwen2 has q/k/v biases but no o_proj bias; its checkpoints must load and match."""
-    config = transformers.Qwen2Config(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = transformers.Qwen2Config(**TINY_DECODER)
     torch.manual_seed(0)
     hf_model = transformers.Qwen2ForCausalLM(config).eval()
     with torch.no_grad():  # HF initialises biases to 0; make them matter
