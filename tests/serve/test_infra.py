@@ -35,3 +35,20 @@ def test_dockerfile_generates_the_grpc_stubs_at_build_time() -> None:
     dockerfile = (ROOT / "infra" / "Dockerfile").read_text()
     assert "python -m ddtree_serve.serve.protos" in dockerfile
     assert "COPY --chown=ray:users protos ./protos" in dockerfile
+
+
+def test_grafana_dashboard_queries_only_metrics_the_coordinator_exports() -> None:
+    import json
+    import re
+
+    from ddtree_serve.serve import metrics
+
+    dashboard = json.loads((ROOT / "infra" / "grafana-dashboard.json").read_text())
+    exported = set(re.findall(r'"(ddtree_[a-z_]+)"', Path(metrics.__file__).read_text()))
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"ray_(ddtree_[a-z_]+?)(?:_bucket|_sum|_count|_total)?\b", target["expr"])
+    }
+    assert queried and queried <= exported, queried - exported
