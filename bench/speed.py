@@ -19,7 +19,8 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -129,7 +130,22 @@ class Workers:
         return SpecEngine(settings, self.target, self.drafter, self.tokenizer, self.timer)
 
 
-def run(workers: Workers, mode: str, budget: int, batch_size: int, temperature: float, args) -> Result:
+@dataclass
+class Totals:
+    """Sums over the rounds of one config (rounds interleave configs, so load drift hits all)."""
+
+    num_tokens: int = 0
+    seconds: float = 0.0
+    step_tokens: float = 0.0  # tokens produced by verify steps, before stop truncation
+    request_steps: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    steps: int = 0
+
+
+def run_once(
+    workers: Workers, mode: str, budget: int, batch_size: int, temperature: float, args, totals: Totals
+):
+    """Warm up, then generate every prompt once and add the measurements to `totals`."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(batch_size, args.num_prompts))]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0, ignore_eos=True)
     warmup = workers.engine(mode, budget, batch_size)
@@ -145,17 +161,21 @@ def run(workers: Workers, mode: str, budget: int, batch_size: int, temperature: 
     workers.timer.reset()
     start = time.perf_counter()
     finals = _drain(engine)
-    seconds = time.perf_counter() - start
+    totals.seconds += time.perf_counter() - start
+    totals.num_tokens += sum(len(f.token_ids) for f in finals)
+    totals.step_tokens += sum(f.stats.acceptance_length * f.stats.steps for f in finals)
+    totals.request_steps += sum(f.stats.steps for f in finals)
+    totals.steps += workers.timer.counts["verify"]
+    for name, seconds in workers.timer.seconds.items():
+        totals.stage_seconds[name] += seconds
 
-    timer = workers.timer
-    num_tokens = sum(len(f.token_ids) for f in finals)
-    steps = timer.counts["verify"]
-    step_tokens = sum(f.stats.acceptance_length * f.stats.steps for f in finals)
-    request_steps = sum(f.stats.steps for f in finals)
+
+def summarize(mode: str, budget: int, batch_size: int, temperature: float, totals: Totals) -> Result:
+    steps = totals.steps
     stage_ms = {
-        name: 1e3 * timer.seconds.get(name, 0.0) / steps for name in (*STEP_TIME_STAGES, *FORWARD_STAGES)
+        name: 1e3 * totals.stage_seconds.get(name, 0.0) / steps
+        for name in (*STEP_TIME_STAGES, *FORWARD_STAGES, "prefill")
     }
-    stage_ms["prefill"] = 1e3 * timer.seconds.get("prefill", 0.0) / steps
     step_ms = sum(stage_ms[name] for name in STEP_TIME_STAGES)
     forward_ms = stage_ms["draft_forward"] + stage_ms["target_forward"]
     return Result(
@@ -163,10 +183,10 @@ def run(workers: Workers, mode: str, budget: int, batch_size: int, temperature: 
         budget=budget,
         batch_size=batch_size,
         temperature=temperature,
-        num_tokens=num_tokens,
-        seconds=seconds,
-        tokens_per_s=num_tokens / seconds,
-        acceptance_length=step_tokens / request_steps,
+        num_tokens=totals.num_tokens,
+        seconds=totals.seconds,
+        tokens_per_s=totals.num_tokens / totals.seconds,
+        acceptance_length=totals.step_tokens / totals.request_steps,
         steps=steps,
         step_ms=step_ms,
         stage_ms=stage_ms,
@@ -291,6 +311,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="prompts per run (at least the batch size; default %(default)s)",
     )
     parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds over all configs, interleaved (default %(default)s)"
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="print a torch profiler table of the largest ddtree config at batch 1",
@@ -324,8 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     for batch_size in batch_sizes:
         for temperature in temperatures:
-            for mode, budget in configs:
-                result = run(workers, mode, budget, batch_size, temperature, args)
+            totals = {config: Totals() for config in configs}
+            for _ in range(args.rounds):
+                for mode, budget in configs:
+                    run_once(workers, mode, budget, batch_size, temperature, args, totals[(mode, budget)])
+            for (mode, budget), config_totals in totals.items():
+                result = summarize(mode, budget, batch_size, temperature, config_totals)
                 results.append(result)
                 print(
                     f"batch {batch_size} T={temperature:g} {result.label:>10}: "
