@@ -64,6 +64,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--drafter", help="DFlash drafter directory (default: the bundled drafter)")
     model.add_argument("--device", default=defaults.device, help="cpu, cuda or cuda:N (default: %(default)s)")
     model.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch (default: %(default)s; small models gain nothing from more, and "
+        "on small shared machines extra threads contend and slow every matmul down)",
+    )
+    model.add_argument(
         "--dtype",
         default=defaults.dtype,
         choices=["float32", "bfloat16", "float16"],
@@ -143,6 +150,9 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             parser.error(f"{flag} {path}: not a model directory (no config.json)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
 
     try:
         llm = LLM.from_config(config)

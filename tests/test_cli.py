@@ -72,6 +72,7 @@ def test_streamed_text_equals_json_text_and_stdin_prompt_works(model_args, capsy
         (["generate", "--top-p", "2", "x"], "top_p"),
         (["generate", "--mode", "beam", "x"], "--mode"),
         (["generate", "--device", "tpu", "x"], "device"),
+        (["generate", "--threads", "0", "x"], "--threads"),
         (["generate", "--target", "/no/such/dir", "--mode", "ar", "x"], "not a model directory"),
         (["generate", "--drafter", "/d", "x"], "needs its own target"),
         (["nonsense"], "invalid choice"),
