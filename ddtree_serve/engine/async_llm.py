@@ -187,12 +187,14 @@ class AsyncLLM:
             self.engine.abort_request(command.request_id)
             return
         assert isinstance(command, _Add)
-        with self._streams_lock:
-            self._num_pending_adds -= 1
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params)
         except (ValueError, QueueFullError) as error:
             self._deliver(command.request_id, error)
+        finally:
+            # After the add, so the queue limit never sees the request in neither count.
+            with self._streams_lock:
+                self._num_pending_adds -= 1
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
