@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree_serve.models.kv_cache import KVLayout
-from ddtree_serve.models.layers import MLP, KVStore, RMSNorm, RotaryEmbedding, apply_rope
+from ddtree_serve.models.layers import MLP, KVStore, PreNormBlock, RMSNorm, RotaryEmbedding, apply_rope
 from ddtree_serve.models.moe import MoE, MoEShape
-from ddtree_serve.models.qwen3 import DecoderOutput, run_decoder
+from ddtree_serve.models.qwen3 import CausalLM
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 # DeepSeek's latent norms use a fixed epsilon, not the config's rms_norm_eps
@@ -314,8 +314,8 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    """Pre-norm residual block: MLA, then a dense SwiGLU (first `first_k_dense_replace` layers) or MoE."""
+class DeepseekV3DecoderLayer(PreNormBlock):
+    """MLA, then a dense SwiGLU (first `first_k_dense_replace` layers) or MoE."""
 
     def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
         super().__init__()
@@ -326,17 +326,6 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = MoE(config.moe_shape())
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
-        kv_store: KVStore | None = None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_store)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekV3Model(nn.Module):
@@ -360,28 +349,8 @@ class DeepseekV3Model(nn.Module):
             )
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     """Decoder plus LM head, with the same `forward` / `logits` contract as `Qwen3ForCausalLM`."""
 
     def __init__(self, config: DeepseekV3Config) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        kv_store: KVStore | None = None,
-        output_layer_ids: tuple[int, ...] = (),
-    ) -> DecoderOutput:
-        """See `Qwen3ForCausalLM.forward`: `input_ids/positions [B, T]`, `mask [B or 1, T, S]`."""
-        return run_decoder(self.model, input_ids, positions, mask, kv_store, output_layer_ids)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[..., H]` -> `[..., V]` in the model dtype."""
-        return self.lm_head(hidden)
+        super().__init__(config, DeepseekV3Model(config))

@@ -224,15 +224,17 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then SwiGLU, each behind an RMSNorm."""
+class PreNormBlock(nn.Module):
+    """Pre-norm residual block: `self_attn` then `mlp`, each behind an RMSNorm.
 
-    def __init__(self, shape: LayerShape, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(shape, layer_idx)
-        self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+    Subclasses only choose the modules (HF names: `self_attn`, `mlp`, `input_layernorm`,
+    `post_attention_layernorm`); the residual wiring is the same for every family.
+    """
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
 
     def forward(
         self,
@@ -244,6 +246,17 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_store)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLayer(PreNormBlock):
+    """Qwen3/Llama block: grouped-query attention and a SwiGLU MLP."""
+
+    def __init__(self, shape: LayerShape, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(shape, layer_idx)
+        self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
 
 def causal_mask(num_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -131,13 +131,17 @@ class Qwen3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """Decoder plus LM head; `forward` returns hidden states, `logits` maps them to the vocabulary."""
+class CausalLM(nn.Module):
+    """Decoder body plus LM head; `forward` returns hidden states, `logits` maps them to the vocabulary.
 
-    def __init__(self, config: Qwen3Config) -> None:
+    Every target family shares this wrapper (HF layout: `model.` body, `lm_head`, optionally tied
+    to `model.embed_tokens`); a family supplies its config and body module.
+    """
+
+    def __init__(self, config: Any, body: nn.Module) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config)
+        self.model = body
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -162,6 +166,13 @@ class Qwen3ForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[..., H]` -> `[..., V]` in the model dtype."""
         return self.lm_head(hidden)
+
+
+class Qwen3ForCausalLM(CausalLM):
+    """The Qwen3 / Qwen2 / Llama causal LM."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config, Qwen3Model(config))
 
 
 def run_decoder(
