@@ -1,0 +1,87 @@
+"""What the HTTP and gRPC adapters share: checks, opening a Coordinator stream, error mapping.
+
+Both protocols turn their request into a `GenerationRequest`, open one Coordinator stream and
+render its `GenerationChunk`s; errors map through `errors.ErrorKind` to HTTP status + OpenAI
+body or gRPC status + details. A stream is opened by awaiting its first chunk, so a refused
+request (bad prompt, full queue) gets its status before any byte of the response is sent.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.errors import ErrorKind, RequestError, as_request_error, invalid
+from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest
+from ddtree_serve.serve.tracing import Tracing
+
+logger = logging.getLogger("ray.serve")
+
+REQUEST_ID_HEADER = "x-request-id"
+HEALTH_TIMEOUT_S = 5.0
+
+
+def as_error(error: BaseException) -> RequestError:
+    """Every failure as a `RequestError`, so both protocols answer it the same way."""
+    if (request_error := as_request_error(error)) is not None:
+        return request_error
+    if isinstance(error, BackPressureError):
+        return RequestError(ErrorKind.OVERLOADED, "the server is at capacity; retry later")
+    logger.exception("request failed", exc_info=error)
+    return RequestError(ErrorKind.INTERNAL, f"internal error: {type(error).__name__}")
+
+
+class IngressCore:
+    """State and helpers of the ingress deployment, protocol-independent."""
+
+    def __init__(self, coordinator: DeploymentHandle, config: ServeConfig) -> None:
+        self._coordinator = coordinator
+        self._config = config
+        self._defaults = config.engine.default_sampling_params()
+        self._tracing = Tracing(config.observability.tracing, component="ingress")
+
+    def _check_model(self, model: str | None) -> None:
+        if model not in (None, "", self._config.model_name):
+            raise RequestError(ErrorKind.NOT_FOUND, f"The model `{model}` does not exist", "model")
+
+    def _check_prompt(self, prompt: str) -> str:
+        if not prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        if len(prompt) > self._config.limits.max_prompt_chars:
+            raise invalid(
+                f"prompt has {len(prompt)} characters, more than the limit of "
+                f"{self._config.limits.max_prompt_chars}",
+                "prompt",
+            )
+        return prompt
+
+    async def _open(self, request: GenerationRequest) -> tuple[GenerationChunk, DeploymentResponseGenerator]:
+        """Starts the Coordinator stream and waits for its first chunk (or its refusal)."""
+        stream: DeploymentResponseGenerator = self._coordinator.options(stream=True).generate.remote(request)
+        try:
+            first = await stream.__anext__()
+        except BaseException as error:
+            stream.cancel()
+            if isinstance(error, asyncio.CancelledError):
+                raise
+            raise as_error(error) from error
+        return first, stream
+
+    @staticmethod
+    async def _rest(
+        first: GenerationChunk, stream: DeploymentResponseGenerator
+    ) -> AsyncIterator[GenerationChunk]:
+        """All chunks from the first; cancels the Coordinator request if the caller goes away."""
+        finished = first.finish_reason is not None
+        try:
+            yield first
+            while not finished:
+                chunk: GenerationChunk = await stream.__anext__()
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            if not finished:
+                stream.cancel()
