@@ -81,11 +81,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"\nreceived {signal.Signals(signum).name}; shutting down", flush=True)
         stop.set()
 
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     init_options: dict[str, Any] = {"address": args.ray_address, "include_dashboard": False}
     if args.ray_address is None:
         init_options.update(num_cpus=args.num_cpus, num_gpus=args.num_gpus, _temp_dir=args.ray_temp_dir)
     ray.init(**{key: value for key, value in init_options.items() if value is not None})
+    # After ray.init: Ray installs its own SIGTERM handler there, which would skip our shutdown.
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(**serve_start_options(config))
         serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
