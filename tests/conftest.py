@@ -10,9 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ddtree_serve.models.random_weights import write_random_drafter_dir, write_random_target_dir
+
+# The models under test are tiny: on small shared CI machines several intra-op threads make their
+# matmuls 10-100x slower through contention, so the whole suite runs single-threaded.
+torch.set_num_threads(1)
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|MASK|>"
