@@ -146,14 +146,7 @@ def completion_body(
         choice = {"index": 0, "text": text, "logprobs": None}
         kind = "text_completion"
     choice["finish_reason"] = finish_reason
-    return {
-        "id": request_id,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }
+    return _envelope(request_id, kind, model, [choice], usage=usage)
 
 
 def stream_event(
@@ -170,23 +163,24 @@ def stream_event(
         choice = {"index": 0, "text": text, "logprobs": None}
         kind = "text_completion"
     choice["finish_reason"] = finish_reason
-    return {
-        "id": request_id,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-    }
+    return _envelope(request_id, kind, model, [choice])
 
 
 def usage_event(request_id: str, model: str, usage: dict[str, Any], *, chat: bool) -> dict[str, Any]:
     """The final `stream_options.include_usage` event: no choices, only usage."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    return _envelope(request_id, kind, model, [], usage=usage)
+
+
+def _envelope(
+    request_id: str, kind: str, model: str, choices: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    """The fields every OpenAI completion object and chunk carries, then `extra` (e.g. usage)."""
     return {
         "id": request_id,
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [],
-        "usage": usage,
+        "choices": choices,
+        **extra,
     }
