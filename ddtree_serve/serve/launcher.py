@@ -10,8 +10,12 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import yaml
+from pydantic import ValidationError
 
 from ddtree_serve.serve.config import ServeConfig
 
@@ -74,7 +78,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ddtree_serve.serve.app import build_app, serve_start_options
 
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except (OSError, yaml.YAMLError, ValidationError) as error:
+        print(f"ddtree-serve serve: error: {error}", file=sys.stderr)
+        return 2
+    if args.ray_address is None and (problem := _missing_model_dir(config)):
+        # A local cluster reads the same disk: refuse now instead of failing replicas in a loop.
+        print(f"ddtree-serve serve: error: {problem}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: FrameType | None) -> None:
@@ -105,6 +117,15 @@ def run_serve(args: argparse.Namespace) -> int:
         ray.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _missing_model_dir(config: ServeConfig) -> str | None:
+    """A message naming the first configured model directory without a config.json, if any."""
+    for field in ("target", "drafter"):
+        path = getattr(config.engine, field)
+        if path is not None and not (Path(path) / "config.json").is_file():
+            return f"{field} {path}: not a model directory (no config.json)"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
