@@ -164,30 +164,9 @@ def target_hf_config(recipe: PairRecipe, eos_token_id: int, torch_dtype: str) ->
     shape = recipe.target
     return {
         "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": recipe.vocab_size,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads,
-        "head_dim": shape.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": recipe.rms_norm_eps,
-        "rope_theta": shape.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
+        **_qwen3_fields(recipe, shape.num_layers, shape.intermediate_size, eos_token_id, torch_dtype),
         "tie_word_embeddings": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
         "max_window_layers": shape.num_layers,
-        "initializer_range": 0.02,
-        "bos_token_id": eos_token_id,
-        "eos_token_id": eos_token_id,
-        "torch_dtype": torch_dtype,
         "use_cache": True,
     }
 
@@ -196,21 +175,32 @@ def drafter_hf_config(
     recipe: PairRecipe, eos_token_id: int, mask_token_id: int, torch_dtype: str
 ) -> dict[str, Any]:
     """The drafter's `config.json`, laid out like z-lab's DFlash checkpoints."""
-    shape = recipe.target
     drafter = recipe.drafter
     return {
         "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
         "block_size": drafter.block_size,
         "dflash_config": {
             "mask_token_id": mask_token_id,
             "target_layer_ids": list(drafter.target_layer_ids),
         },
-        "num_target_layers": shape.num_layers,
+        "num_target_layers": recipe.target.num_layers,
+        **_qwen3_fields(recipe, drafter.num_layers, drafter.intermediate_size, eos_token_id, torch_dtype),
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * drafter.num_layers,
+    }
+
+
+def _qwen3_fields(
+    recipe: PairRecipe, num_layers: int, intermediate_size: int, eos_token_id: int, torch_dtype: str
+) -> dict[str, Any]:
+    """The Qwen3 decoder fields both models share: the drafter's layers have the target's shape."""
+    shape = recipe.target
+    return {
+        "model_type": "qwen3",
         "vocab_size": recipe.vocab_size,
         "hidden_size": shape.hidden_size,
-        "intermediate_size": drafter.intermediate_size,
-        "num_hidden_layers": drafter.num_layers,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
@@ -222,8 +212,6 @@ def drafter_hf_config(
         "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * drafter.num_layers,
         "use_sliding_window": False,
         "sliding_window": None,
         "initializer_range": 0.02,
