@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
 from ddtree_serve.models.kv_cache import SlotIndex, SlotKVCache
+from ddtree_serve.models.layers import avoid_per_shape_attention_plans
 from ddtree_serve.models.loading import load_draft_model, load_embedding_and_head
 
 
@@ -43,6 +44,7 @@ class DFlashDrafter:
         self.head_weight = head_weight
         self.device = first.device
         self.dtype = first.dtype
+        avoid_per_shape_attention_plans(self.device)
         self.cache = SlotKVCache(
             num_layers=decoder.num_hidden_layers,
             num_slots=num_slots,

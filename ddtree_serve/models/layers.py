@@ -262,3 +262,15 @@ class DecoderLayer(PreNormBlock):
 def causal_mask(num_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """`[1, T, T]` lower-triangular boolean mask for plain left-to-right sequences."""
     return torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).tril()[None]
+
+
+def avoid_per_shape_attention_plans(device: torch.device) -> None:
+    """Turn off cuDNN attention on CUDA (process-wide): it builds a plan per new sequence length.
+
+    Decoding grows the length every step, so every step met a new shape: on the H200 the bench
+    measured 46 ms per batch-16 plain decode step with cuDNN attention and 5.9 ms without. The
+    memory-efficient kernel takes the same masks with no per-shape setup. Both runners call this
+    when they are built on a CUDA device.
+    """
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)

@@ -16,6 +16,7 @@ import torch
 
 from ddtree_serve.models.families import TargetConfig, TargetModel
 from ddtree_serve.models.kv_cache import CacheWriter, SlotIndex, SlotKVCache
+from ddtree_serve.models.layers import avoid_per_shape_attention_plans
 from ddtree_serve.models.loading import load_target_model, read_eos_token_ids
 from ddtree_serve.models.qwen3 import context_features
 
@@ -43,6 +44,7 @@ class TargetRunner:
         self.dtype = first.dtype
         self.target_layer_ids = tuple(target_layer_ids or ())
         self.eos_token_ids = tuple(eos_token_ids) or self.config.eos_token_ids
+        avoid_per_shape_attention_plans(self.device)
         layout = self.config.kv_layout
         self.cache = SlotKVCache(
             num_layers=self.config.num_hidden_layers,
