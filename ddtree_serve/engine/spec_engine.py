@@ -131,7 +131,7 @@ class SpecEngine:
 
     def _prefill(self, requests: list[Request]) -> None:
         """Cache the newcomers' prompts, take their first token and their drafter context."""
-        sampling = _sampling_batch([r.params for r in requests])
+        sampling = _sampling_batch([r.params for r in requests], self.vocab_size)
         coins = None if sampling.all_greedy else torch.stack([_uniforms(r, 1)[0] for r in requests])
         output = self.target.prefill(
             [_slot(r) for r in requests], [r.prompt_token_ids for r in requests], sampling, coins
@@ -176,7 +176,7 @@ class SpecEngine:
 
     def _verify(self, requests: list[Request], batch: VerifyBatch) -> VerifyOutput:
         """One target call: forward over every tree, accept a path, commit its KV."""
-        sampling = _sampling_batch([r.params for r in requests])
+        sampling = _sampling_batch([r.params for r in requests], self.vocab_size)
         coins = coin_final = None
         if not sampling.all_greedy:
             # Per request: one coin per real node then the final coin, all from its generator,
@@ -266,10 +266,11 @@ class SpecEngine:
         return max(1, min(request.params.max_tokens, room))
 
 
-def _sampling_batch(params: list[SamplingParams]) -> SamplingBatch:
+def _sampling_batch(params: list[SamplingParams], vocab_size: int) -> SamplingBatch:
     return SamplingBatch(
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        # top_k >= vocab means no filter; capping it keeps any int the caller sent within int64.
+        top_k=torch.tensor([min(p.top_k, vocab_size) for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         all_greedy=all(p.greedy for p in params),
     )

@@ -57,3 +57,15 @@ def test_output_length_is_capped_by_max_seq_len_and_stats_add_up(engine):
     assert final.stats.acceptance_length >= 1.0
     assert engine.timer.counts["verify"] >= final.stats.steps
     assert set(engine.timer.seconds) >= {"schedule", "draft", "build", "verify", "commit", "target_forward"}
+
+
+def test_top_k_beyond_int64_means_no_filter_and_leaves_the_engine_running(engine):
+    """top_k >= vocab is "off"; one too large for an int64 tensor must not fail the batch's step."""
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
+    huge = SamplingParams(max_tokens=6, temperature=1.0, seed=11, ignore_eos=True, top_k=10**20)
+    engine.add_request("huge", [1, 2, 3], huge)
+    engine.add_request("plain", [1, 2, 3], sampled)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outputs["huge"].token_ids == outputs["plain"].token_ids
