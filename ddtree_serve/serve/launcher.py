@@ -3,7 +3,8 @@
 The CLI registers `add_serve_arguments` / `run_serve`; `python -m ddtree_serve.serve.launcher`
 runs the same thing. Command-line flags override the config file, and the merged result goes
 through `ServeConfig` validation like every other way in. On Ctrl-C (or SIGTERM) Serve and the
-Ray cluster this command started are shut down, leaving no Ray process behind.
+Ray cluster this command started are shut down, leaving no Ray process behind; on a cluster
+joined with `--ray-address` only this application is deleted.
 """
 
 import argparse
@@ -113,8 +114,11 @@ def run_serve(args: argparse.Namespace) -> int:
             pass
         return 0
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if args.ray_address is None:
+            serve.shutdown()  # our own cluster: take everything down
+        else:
+            serve.delete(config.app_name)  # a shared cluster: other Serve apps keep running
+        ray.shutdown()  # on a joined cluster this only disconnects
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
