@@ -133,9 +133,11 @@ class AsyncLLM:
         return len(self._streams)
 
     def _open_stream(self, request_id: str) -> _Stream:
-        if self._error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine is not running: {self._error!r}")
         with self._streams_lock:
+            # Checked under the lock the dying thread takes to fail open streams: a stream
+            # registered after that would wait forever.
+            if self._error is not None or not self._thread.is_alive():
+                raise EngineDeadError(f"the engine is not running: {self._error!r}")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             # engine.num_waiting is read across threads: a slightly stale count is fine for a limit.
@@ -166,8 +168,8 @@ class AsyncLLM:
         except BaseException as error:  # every open stream must learn why it ends
             if not isinstance(error, EngineDeadError):
                 logger.exception("engine step failed; failing every open request")
-            self._error = error
             with self._streams_lock:
+                self._error = error
                 streams = list(self._streams.values())
             for stream in streams:
                 stream.put(error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error)))

@@ -1,6 +1,7 @@
 """AsyncLLM: streaming deltas, agreement with LLM, aborts on early exit, queue limit, engine death."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -77,5 +78,33 @@ def test_a_failing_step_fails_streams_and_later_calls(client, prompt_ids):
 
     with pytest.raises(EngineDeadError, match="device lost"):
         asyncio.run(run())
+    with pytest.raises(EngineDeadError):
+        asyncio.run(run())
+
+
+def test_a_stream_opened_while_the_engine_dies_fails_instead_of_hanging(client, prompt_ids):
+    """The engine thread can fail between a caller's liveness check and its stream registration."""
+
+    class DieBeforeRegistering:
+        """The streams lock; the caller's first acquire lets the engine thread die first."""
+
+        def __init__(self, lock):
+            self.lock, self.armed = lock, True
+
+        def __enter__(self):
+            if self.armed and threading.current_thread() is threading.main_thread():
+                self.armed = False
+                client.shutdown()  # the engine thread fails every stream it knows, then exits
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    client._streams_lock = DieBeforeRegistering(client._streams_lock)
+
+    async def run():
+        stream = client.generate_stream(prompt_ids[0], PARAMS)
+        return await asyncio.wait_for(stream.__anext__(), timeout=5)
+
     with pytest.raises(EngineDeadError):
         asyncio.run(run())
