@@ -50,7 +50,8 @@ class GrpcAdapter(IngressCore):
         if message.prompt and has_messages:
             raise invalid("set either prompt or messages, not both", "prompt")
         if has_messages:
-            prompt = render_chat(validated_messages([(m.role, m.content) for m in message.messages]))
+            messages = validated_messages([(m.role, m.content) for m in message.messages])
+            prompt = self._check_prompt(render_chat(messages))  # the limit HTTP chat applies too
             extra_stop: tuple[str, ...] = (CHAT_END,)
         else:
             prompt = self._check_prompt(message.prompt)

@@ -1,6 +1,7 @@
 """OpenAI-compatible request bodies and response rendering for /v1/completions and /v1/chat.
 
-Only what the engine can honour is accepted: one choice (`n` = 1), no logprobs, no echo.
+Only what the engine can honour is accepted: one choice (`n` = 1), no logprobs, no echo,
+no penalties, logit bias or suffix (a non-neutral value is refused rather than dropped).
 Unknown fields are ignored the way OpenAI-compatible servers do; known fields are checked
 here and by `SamplingParams`, and every refusal becomes a `RequestError` (HTTP 400).
 """
@@ -36,12 +37,24 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False
+    # Known OpenAI fields the engine cannot honour: refused unless neutral, never silently dropped.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
 
     def sampling_params(self, defaults: SamplingParams, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
         if self.n != 1:
             raise invalid(f"only n=1 is supported, got {self.n}", "n")
         if self.logprobs not in (None, False, 0):
             raise invalid("logprobs are not supported", "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise invalid(f"{name} is not supported (only 0)", name)
+        if self.logit_bias:
+            raise invalid("logit_bias is not supported", "logit_bias")
+        if self.best_of not in (None, 1):
+            raise invalid(f"only best_of=1 is supported, got {self.best_of}", "best_of")
         if self.seed is not None and self.seed < 0:
             raise invalid(f"seed must be >= 0, got {self.seed}", "seed")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -64,10 +77,13 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr]
     echo: bool = False
+    suffix: str | None = None
 
     def prompt_text(self) -> str:
         if self.echo:
             raise invalid("echo is not supported", "echo")
+        if self.suffix:
+            raise invalid("suffix is not supported", "suffix")
         if isinstance(self.prompt, list):
             if len(self.prompt) != 1:
                 raise invalid("exactly one prompt per request is supported", "prompt")
