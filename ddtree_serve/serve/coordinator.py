@@ -263,6 +263,9 @@ class Coordinator:
     # ------------------------------------------------------------------------------ inspection
 
     async def stats(self) -> dict[str, int]:
+        """Load figures; raises once the engine thread stopped, so health probes (HTTP /health,
+        gRPC Check) report the group down before Serve's own check replaces the replica."""
+        self.check_health()
         return {
             "running": self._engine.num_running,
             "waiting": self._engine.num_waiting,

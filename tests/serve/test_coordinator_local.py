@@ -18,6 +18,7 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.coordinator import Coordinator
 from ddtree_serve.serve.errors import ErrorKind, RequestError, as_request_error
+from ddtree_serve.serve.factories import LocalTargetFactory
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import tiny_serve_config
@@ -25,11 +26,11 @@ from tests.serve.conftest import tiny_serve_config
 pytestmark = pytest.mark.timeout(120)
 
 
-def local_coordinator(dirs: TinyModelDirs, **sections: Any) -> Any:
+def local_coordinator(dirs: TinyModelDirs, target_factory: Any = None, **sections: Any) -> Any:
     raw = tiny_serve_config(dirs, placement={"workers": "in_process"}, **sections)
     raw["observability"] = {"metrics": False, **raw.get("observability", {})}
     config = ServeConfig.model_validate(raw)
-    app = serve.deployment(Coordinator, name="Coordinator").bind(config)
+    app = serve.deployment(Coordinator, name="Coordinator").bind(config, target_factory)
     return serve.run(app, name=f"local-{id(raw)}", route_prefix=None, _local_testing_mode=True), config
 
 
@@ -88,3 +89,29 @@ def test_request_and_phase_spans_reach_the_file_exporter(
     assert request["attributes"]["request_id"] == "traced"
     phases = {s["name"] for s in spans if s["parent_id"] == request["context"]["span_id"]}
     assert {"prefill", "draft", "build", "verify", "commit"} <= phases
+
+
+class _BrokenVerifyFactory(LocalTargetFactory):
+    """The real target, except that every verify fails (a lost device, say)."""
+
+    def __call__(self) -> Any:
+        target = super().__call__()
+
+        def broken_verify(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("device lost")
+
+        target.verify = broken_verify  # type: ignore[method-assign]
+        return target
+
+
+def test_a_dead_engine_fails_requests_and_the_health_probe(tiny_model_dirs: TinyModelDirs) -> None:
+    """/health and gRPC Check probe `stats`: it must not report a group whose engine stopped."""
+    raw = tiny_serve_config(tiny_model_dirs)
+    factory = _BrokenVerifyFactory(ServeConfig.model_validate(raw).engine)
+    handle, _ = local_coordinator(tiny_model_dirs, target_factory=factory)
+    with pytest.raises(Exception) as raised:
+        asyncio.run(collect(handle, GenerationRequest("dies", "hi", SamplingParams(max_tokens=8))))
+    error = as_request_error(raised.value)
+    assert isinstance(error, RequestError) and error.kind is ErrorKind.INTERNAL
+    with pytest.raises(Exception, match="engine"):
+        handle.stats.remote().result()
