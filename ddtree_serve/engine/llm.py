@@ -82,11 +82,17 @@ class LLM:
 
         order: dict[str, int] = {}
         detokenizers: dict[str, Detokenizer] = {}
-        for prompt, request_params in zip(prompt_list, param_list, strict=True):
-            request_id = f"llm-{next(self._request_ids)}"
-            self.engine.add_request(request_id, prompt, request_params)
-            order[request_id] = len(order)
-            detokenizers[request_id] = Detokenizer(self.tokenizer, request_params.stop)
+        try:
+            for prompt, request_params in zip(prompt_list, param_list, strict=True):
+                request_id = f"llm-{next(self._request_ids)}"
+                self.engine.add_request(request_id, prompt, request_params)
+                order[request_id] = len(order)
+                detokenizers[request_id] = Detokenizer(self.tokenizer, request_params.stop)
+        except BaseException:
+            # One refused prompt refuses the call: take back the ones already queued.
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
         results: list[CompletionOutput | None] = [None] * len(prompt_list)
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():

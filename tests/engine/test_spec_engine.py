@@ -69,3 +69,15 @@ def test_top_k_beyond_int64_means_no_filter_and_leaves_the_engine_running(engine
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
     assert outputs["huge"].token_ids == outputs["plain"].token_ids
+
+
+def test_llm_generate_refusing_one_prompt_leaves_no_other_prompt_queued(engine):
+    from ddtree_serve.engine.llm import LLM
+
+    llm = LLM.from_engine(engine)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[1, 2, 3], []], SamplingParams(max_tokens=4))
+    assert engine.num_waiting == 0 and engine.num_running == 0
+    assert [
+        len(o.token_ids) for o in llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    ] == [4]
