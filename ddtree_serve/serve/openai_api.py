@@ -55,8 +55,8 @@ class _SamplingFields(BaseModel):
             raise invalid("logit_bias is not supported", "logit_bias")
         if self.best_of not in (None, 1):
             raise invalid(f"only best_of=1 is supported, got {self.best_of}", "best_of")
-        if self.seed is not None and self.seed < 0:
-            raise invalid(f"seed must be >= 0, got {self.seed}", "seed")
+        if self.seed is not None and not 0 <= self.seed < 2**64:  # a torch generator's seed range
+            raise invalid(f"seed must be in [0, 2**64), got {self.seed}", "seed")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return build_sampling_params(
             defaults,

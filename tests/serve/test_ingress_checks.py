@@ -65,3 +65,10 @@ def test_grpc_chat_messages_obey_the_prompt_character_limit() -> None:
     with pytest.raises(RequestError) as raised:
         adapter._grpc_request(message, _Context())
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT and raised.value.param == "prompt"
+
+
+def test_a_seed_beyond_64_bits_is_refused_naming_the_seed() -> None:
+    assert CompletionRequest(prompt="hi", seed=2**64 - 1).sampling_params(DEFAULTS).seed == 2**64 - 1
+    with pytest.raises(RequestError) as raised:
+        CompletionRequest(prompt="hi", seed=2**64).sampling_params(DEFAULTS)
+    assert raised.value.param == "seed"
