@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from ddtree_serve.verify.probs import GREEDY_TEMPERATURE_EPS
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,4 +45,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below `GREEDY_TEMPERATURE_EPS` decode greedily, like 0 (see `target_probs`)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS

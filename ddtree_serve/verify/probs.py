@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import torch
 
+# Temperatures below this are greedy (as vLLM treats them): dividing logits by them overflows
+# float32 into NaN probabilities, and their distributions are one-hot to within rounding anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
 
 def target_probs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
     """Per-request temperature / top-k / top-p transform of `logits` [B, N, V] -> float32 probs.
 
-    `temperature`, `top_k`, `top_p`: [B]. Temperature <= 0 means greedy: the row becomes the
-    one-hot of `argmax(logits)`, so sampling verification on it reproduces greedy verification
-    exactly. `top_k <= 0` or `>= V` and `top_p >= 1` disable those filters. Top-p applies to the
-    distribution left after top-k (renormalised), as SGLang and vLLM do.
+    `temperature`, `top_k`, `top_p`: [B]. Temperature < `GREEDY_TEMPERATURE_EPS` means greedy:
+    the row becomes the one-hot of `argmax(logits)`, so sampling verification on it reproduces
+    greedy verification exactly. `top_k <= 0` or `>= V` and `top_p >= 1` disable those filters.
+    Top-p applies to the distribution left after top-k (renormalised), as SGLang and vLLM do.
     """
     batch_size, _, vocab_size = logits.shape
     device = logits.device
@@ -21,7 +25,7 @@ def target_probs(
     top_k = top_k.to(device=device, dtype=torch.int64)
     top_p = top_p.to(device=device, dtype=torch.float32)
 
-    greedy = temperature <= 0  # [B]
+    greedy = temperature < GREEDY_TEMPERATURE_EPS  # [B]
     safe_temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits.float() / safe_temperature.view(batch_size, 1, 1), dim=-1)  # [B, N, V]
 

@@ -62,3 +62,8 @@ def test_sampling_params_reject_bad_values(overrides, message):
 def test_sampling_params_normalise_lists_to_tuples():
     params = SamplingParams(stop=["\n\n"], stop_token_ids=[5])
     assert params.stop == ("\n\n",) and params.stop_token_ids == (5,)
+
+
+def test_vanishing_temperature_counts_as_greedy() -> None:
+    assert SamplingParams(temperature=1e-9).greedy
+    assert not SamplingParams(temperature=0.01).greedy

@@ -121,3 +121,14 @@ def test_target_probs_filters(top_k: int) -> None:
     assert torch.allclose(probs[0, 0, :top_k], full[:top_k] / full[:top_k].sum())
     greedy = target_probs(logits, torch.zeros(2), torch.tensor([0, 0]), torch.tensor([1.0, 1.0]))
     assert greedy[:, 0].tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]] * 2
+
+
+def test_vanishing_temperature_is_greedy_not_nan() -> None:
+    """1e-30 would overflow logits / temperature into NaN; below 1e-5 a row is the argmax one-hot."""
+    logits = torch.tensor([[[0.5, 2.0, -1.0, 1.9]]]).repeat(3, 1, 1)  # [3, 1, 4]
+    temperature = torch.tensor([1e-30, 1e-6, 0.5])
+    probs = target_probs(logits, temperature, torch.zeros(3, dtype=torch.int64), torch.ones(3))
+    assert not torch.isnan(probs).any()
+    assert probs[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert probs[1, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert 0.0 < probs[2, 0, 3].item() < probs[2, 0, 1].item() < 1.0
