@@ -6,18 +6,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from ddtree_serve.cli import main
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    """Tiny models on a small shared machine run far faster on one intra-op thread."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

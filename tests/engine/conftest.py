@@ -29,16 +29,6 @@ def run_to_completion(engine: SpecEngine) -> dict[str, list[int]]:
     return finished
 
 
-@pytest.fixture(scope="package", autouse=True)
-def single_torch_thread():
-    """One intra-op thread: on a 2-core shared machine two threads contend and slow these tiny
-    matmuls down by up to 100x (tests/engine runs ~10x faster)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def bundled_pair_present() -> bool:
     return (bundled_target_dir() / "config.json").exists() and (
         bundled_drafter_dir() / "config.json"
