@@ -28,11 +28,9 @@ is not read; no tensor or expert parallelism, so the whole model must fit one de
 multi-token-prediction (MTP) layers (their checkpoint keys are skipped).
 """
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,10 +143,6 @@ class DeepseekV3Config:
             eos_token_ids=eos_ids,
             raw=dict(cfg),
         )
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> "DeepseekV3Config":
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
     @property
     def qk_head_dim(self) -> int:
