@@ -12,7 +12,6 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -145,9 +144,8 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         )
     except (pydantic.ValidationError, ValueError) as error:
         parser.error(_one_line(error))
-    for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
-        if path is not None and not (Path(path) / "config.json").is_file():
-            parser.error(f"{flag} {path}: not a model directory (no config.json)")
+    if problem := config.missing_model_dir():
+        parser.error(f"--{problem}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
     if args.threads < 1:

@@ -5,6 +5,7 @@ Pydantic checks and documents every field once; the engine receives a plain froz
 """
 
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -86,6 +87,18 @@ class EngineConfig(BaseModel):
         if self.target is not None and self.drafter is None and self.mode != "ar":
             raise ValueError(f"mode {self.mode!r} with a custom target needs `drafter` (or use mode 'ar')")
         return self
+
+    def missing_model_dir(self) -> str | None:
+        """A message naming the first configured model directory without a config.json, if any.
+
+        Not a validator: a config may name paths that exist only on the cluster's nodes, so the
+        commands that load models on this machine's disk ask for it explicitly.
+        """
+        for field in ("target", "drafter"):
+            path = getattr(self, field)
+            if path is not None and not (Path(path) / "config.json").is_file():
+                return f"{field} {path}: not a model directory (no config.json)"
+        return None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -11,7 +11,6 @@ import argparse
 import signal
 import sys
 import threading
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -84,7 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError, ValidationError) as error:
         print(f"ddtree-serve serve: error: {error}", file=sys.stderr)
         return 2
-    if args.ray_address is None and (problem := _missing_model_dir(config)):
+    if args.ray_address is None and (problem := config.engine.missing_model_dir()):
         # A local cluster reads the same disk: refuse now instead of failing replicas in a loop.
         print(f"ddtree-serve serve: error: {problem}", file=sys.stderr)
         return 2
@@ -121,15 +120,6 @@ def run_serve(args: argparse.Namespace) -> int:
         ray.shutdown()  # on a joined cluster this only disconnects
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _missing_model_dir(config: ServeConfig) -> str | None:
-    """A message naming the first configured model directory without a config.json, if any."""
-    for field in ("target", "drafter"):
-        path = getattr(config.engine, field)
-        if path is not None and not (Path(path) / "config.json").is_file():
-            return f"{field} {path}: not a model directory (no config.json)"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
