@@ -53,6 +53,8 @@ class SpecEngine:
         # Cache rows one step's padded tree may take past the cached prefix (root included).
         self.max_tree_tokens = {"ar": 1, "chain": self.block_size}.get(settings.mode, settings.budget + 1)
         self.max_seq_len = min(settings.max_seq_len, target.max_seq_len)
+        # Longest prompt that leaves room for one step's tree: the one limit servers enforce too.
+        self.max_prompt_tokens = self.max_seq_len - self.max_tree_tokens
         self.scheduler = Scheduler(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -76,7 +78,7 @@ class SpecEngine:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt_ids) + self.max_tree_tokens > self.max_seq_len:
+        if len(prompt_ids) > self.max_prompt_tokens:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
                 f"max_seq_len={self.max_seq_len}"

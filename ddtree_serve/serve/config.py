@@ -94,7 +94,8 @@ class LimitsConfig(_Strict):
     max_prompt_tokens: int | None = Field(
         default=None,
         ge=1,
-        description="Longest prompt accepted, in tokens; None = engine.max_seq_len - 1.",
+        description="Longest prompt accepted, in tokens; None (or more) = the engine's own limit, "
+        "max_seq_len minus the rows one step's tree takes (budget + 1 for 'ddtree').",
     )
     max_prompt_chars: int = Field(
         default=1_000_000,
@@ -169,12 +170,6 @@ class ServeConfig(_Strict):
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP proxy address.")
     grpc: GRPCConfig = Field(default_factory=GRPCConfig, description="gRPC proxy address.")
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig, description="Telemetry.")
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """Longest prompt that leaves room for at least one generated token."""
-        ceiling = self.engine.max_seq_len - 1
-        return min(self.limits.max_prompt_tokens or ceiling, ceiling)
 
     @property
     def max_ongoing_per_group(self) -> int:

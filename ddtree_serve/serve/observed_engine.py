@@ -2,12 +2,13 @@
 
 The engine already times its stages through a `StageTimer`; `PhaseIntervals` keeps the wall
 clock interval of each stage of the current step instead of a running sum, and
-`ObservedEngine.step` hands them, with the step's outputs, to a callback that feeds metrics
-and trace spans. The step loop itself is untouched.
+`ObservedEngine.step` hands them, with the step's outputs and the tokens each request's verify
+produced (integers counted by the requests, never reconstructed from averages), to a callback
+that feeds metrics and trace spans. The step loop itself is untouched.
 """
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -38,11 +39,13 @@ class PhaseIntervals(StageTimer):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step did: its index, stage intervals and the outputs it produced."""
+    """What one step did: its index, stage intervals, the outputs it produced, and the tokens
+    each verified request's step produced before stop truncation (1..block_size), by request id."""
 
     index: int
     intervals_ns: dict[str, tuple[int, int]]
     outputs: Sequence[RequestOutput]
+    num_step_tokens: Mapping[str, int]
 
 
 StepObserver = Callable[[StepRecord], None]
@@ -58,7 +61,15 @@ class ObservedEngine(SpecEngine):
         self._num_steps = 0
 
     def step(self) -> list[RequestOutput]:
+        # Every request this step may verify (running, or admitted by its schedule) and its
+        # count so far: the step's tokens are the difference, finished requests included.
+        counts_before = [(request, request.num_step_tokens) for request in self._requests.values()]
         outputs = super().step()
         self._num_steps += 1
-        self._observer(StepRecord(self._num_steps, self._phases.take(), outputs))
+        num_step_tokens = {
+            request.request_id: request.num_step_tokens - count
+            for request, count in counts_before
+            if request.num_step_tokens > count
+        }
+        self._observer(StepRecord(self._num_steps, self._phases.take(), outputs, num_step_tokens))
         return outputs

@@ -1,0 +1,89 @@
+"""The processes of one speculation group: its placement bundles and the workers it starts.
+
+One Coordinator replica is one group and one placement group. Bundle 0 holds the replica
+itself (Serve's rule), then the drafter, then the target group; mode "ar" has no drafter and
+therefore no drafter bundle, so the target moves up to bundle 1. The workers are Ray actors in
+those bundles, or in-process models inside the replica (placement.workers = "in_process").
+"""
+
+from typing import Any
+
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ddtree_serve.engine.interfaces import Drafter, Target
+from ddtree_serve.serve.config import ServeConfig, WorkerResources
+from ddtree_serve.serve.factories import LocalDrafterFactory, LocalTargetFactory
+from ddtree_serve.serve.workers import (
+    DrafterFactory,
+    DrafterWorker,
+    RayDrafter,
+    RayTarget,
+    TargetFactory,
+    TargetWorker,
+)
+
+# Bundle indices in the group's placement group (bundle 0 is the Coordinator replica).
+DRAFTER_BUNDLE, TARGET_BUNDLE = 1, 2
+
+
+def placement_bundles(config: ServeConfig) -> list[dict[str, float]]:
+    """The group's placement-group bundles: coordinator, drafter (unless mode "ar"), target."""
+    placement = config.placement
+    bundles = [placement.coordinator.bundle()]
+    if config.engine.mode != "ar":
+        bundles.append(placement.drafter.bundle())
+    bundles.append(placement.target.bundle())
+    return bundles
+
+
+def start_workers(
+    config: ServeConfig,
+    target_factory: TargetFactory | None = None,
+    drafter_factory: DrafterFactory | None = None,
+) -> tuple[Target, Drafter | None]:
+    """The group's target and drafter (None in mode "ar"), as the engine's seam sees them.
+
+    `target_factory` / `drafter_factory` build the in-process models, inside the workers or
+    here; None = load `config.engine`'s model directories (tests inject fakes here).
+    """
+    engine_config = config.engine
+    target_factory = target_factory or LocalTargetFactory(engine_config)
+    if engine_config.mode == "ar":
+        drafter_factory = None
+    else:
+        drafter_factory = drafter_factory or LocalDrafterFactory(engine_config)
+    if config.placement.workers == "in_process":
+        return target_factory(), drafter_factory() if drafter_factory is not None else None
+    return _start_actors(config, target_factory, drafter_factory)
+
+
+def _start_actors(
+    config: ServeConfig, target_factory: TargetFactory, drafter_factory: DrafterFactory | None
+) -> tuple[Target, Drafter | None]:
+    """Starts the workers in this replica's placement group (anywhere when there is none)."""
+    placement_group = get_current_placement_group()
+    placement = config.placement
+
+    def options(resources: WorkerResources, bundle_index: int) -> dict[str, Any]:
+        worker_options: dict[str, Any] = {
+            "num_cpus": resources.num_cpus,
+            "num_gpus": resources.num_gpus,
+            "resources": dict(resources.resources),
+        }
+        if placement_group is not None:
+            worker_options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=bundle_index
+            )
+        return worker_options
+
+    drafter = None
+    target_bundle = DRAFTER_BUNDLE
+    if drafter_factory is not None:
+        drafter_actor = DrafterWorker.options(**options(placement.drafter, DRAFTER_BUNDLE)).remote(
+            drafter_factory
+        )
+        drafter = RayDrafter(drafter_actor)
+        target_bundle = TARGET_BUNDLE
+    target_actor = TargetWorker.options(**options(placement.target, target_bundle)).remote(target_factory)
+    return RayTarget(target_actor), drafter
