@@ -1,9 +1,9 @@
 """The DDTree build and its verify buffers as batched tensor ops: the device half of a step.
 
 `build_ddtree` pops prefixes from a heap on the host; this module finds the same trees with
-sorts, gathers and scatters whose shapes depend only on (B, L, K, budget_max), so it runs on
-CPU (where the tests compare it with the host builder) and on CUDA inside a captured graph
-(no host syncs, no data-dependent shapes or control flow).
+top-k, cumsums, gathers and scatters whose shapes depend only on (B, L, K, budget_max), so it
+runs on CPU (where the tests compare it with the host builder) and on CUDA inside a captured
+graph (no host syncs, no data-dependent shapes or control flow).
 
 Order. Prefixes are ranked by (-logw, rank path), the rank path compared lexicographically (a
 prefix before its extensions), exactly the host heap's key. A child never outranks its parent
@@ -14,20 +14,22 @@ pop order: the device numbering *is* the host numbering.
 Method, per request:
 1. Levels. At depth d the candidates are the K children of the nodes kept at depth d-1; keep
    the best `budget_max` of them. Each level is stored in rank-path order, so the flattened
-   [parent, rank] candidate grid is in rank-path order too and a stable sort by logw breaks
-   ties by rank path. Every one of the best `budget` prefixes survives: its parent is one of
-   them (by induction, kept), and fewer than `budget` candidates outrank it.
+   [parent, rank] candidate grid is in rank-path order too, and "best" breaks logw ties by
+   index. Every one of the best `budget` prefixes survives: its parent is one of them (by
+   induction, kept), and fewer than `budget` candidates outrank it.
 2. Preorder. The kept levels form a tree; its preorder with children in rank order is the
    rank-path order across levels. Subtree sizes (bottom-up) and preorder positions (top-down)
    give that order, and `pos[j] <= pos[i] < pos[j] + size[j]` is "j is i or an ancestor of i".
-3. Selection. Lay the kept nodes out in preorder, stable-sort by logw: the first `budgets[b]`
-   are request b's tree, nodes 1.. in host pop order.
+3. Selection. Lay the kept nodes out in preorder and take the best `budget_max`; a stable sort
+   of those by logw is the host's pop order, whose first `budgets[b]` are request b's tree.
 4. Buffers. Parents, tokens, depths and logws by gather; sibling links by a stable sort of
    node indices by parent (node order is descending logw, ties by rank path: the host's
    sibling order); the ancestor mask from the preorder intervals.
 
-logws are float64 left-fold sums of the edge log-probs, the host's arithmetic, so ties and
-cut-offs fall exactly where the host's do.
+"Best n of a row, ties to the lower index" is one top-k for the n-th largest value, then every
+value above it and the first tied ones up to n, listed in index order by a cumsum: linear work
+instead of a full sort. logws are float64 left-fold sums of the edge log-probs, the host's
+arithmetic, so ties and cut-offs fall exactly where the host's do.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def build_ddtree_batch(
     their token ids. `budgets`: [B] int64; a budget <= 0 gives the root alone, one above
     `budget_max` counts as `budget_max`. `root_tokens`: [B] int64. Equals `build_ddtree` per
     request followed by `build_verify_batch(trees, n_max=budget_max + 1)`, node for node.
-    Cost: L sorts of B x budget_max*K candidates, then a few of B x L*budget_max.
+    Cost: L top-k selections over B x budget_max*K candidates, then a few passes over
+    B x L*budget_max kept nodes and B x budget_max**2 mask entries.
     """
     batch_size, num_positions, num_ranks = logp.shape
     num_levels = min(num_positions, budget_max) if num_ranks else 0
@@ -88,14 +91,14 @@ def build_ddtree_batch(
     num_kept = logws.shape[1]
     union_index = torch.arange(num_kept, device=logp.device).expand(batch_size, -1)
 
-    # Host pop order: preorder (rank-path order) first, then a stable sort by logw.
-    preorder = torch.empty_like(union_index).scatter_(1, positions, union_index)  # [B, U]
-    by_logw = torch.sort(logws.gather(1, preorder), dim=1, descending=True, stable=True).indices
-    pop_order = preorder.gather(1, by_logw)  # [B, U] union index of node 1, 2, ...
-    node_of_union = torch.empty_like(union_index).scatter_(1, pop_order, union_index + 1)
-
+    # Host pop order: the best budget_max in preorder (rank-path order), stable-sorted by logw.
     num_selected = min(num_kept, budget_max)
-    chosen = pop_order[:, :num_selected]  # [B, M]
+    preorder = torch.empty_like(union_index).scatter_(1, positions, union_index)  # [B, U]
+    best = preorder.gather(1, _best_in_index_order(logws.gather(1, preorder), num_selected))
+    by_logw = torch.sort(logws.gather(1, best), dim=1, descending=True, stable=True).indices
+    chosen = best.gather(1, by_logw)  # [B, M] union index of node 1, 2, ...
+    node_numbers = torch.arange(1, num_selected + 1, device=logp.device).expand(batch_size, -1)
+    node_of_union = torch.zeros_like(union_index).scatter_(1, chosen, node_numbers)  # 0: not chosen
     chosen_parents = parents.gather(1, chosen)
     parent_nodes = torch.where(
         chosen_parents >= 0, node_of_union.gather(1, chosen_parents.clamp(min=0)), torch.zeros_like(chosen)
@@ -137,7 +140,7 @@ def _kept_levels(logp: torch.Tensor, num_levels: int, budget_max: int) -> list[_
     """Levels 1..num_levels, each the best `budget_max` children of the previous level's nodes.
 
     `logp`: [B, L, K] float64. The root's logw 0.0 is added at depth 1 as the host does for
-    siblings (it also turns a -0.0 edge into 0.0, which a radix sort would otherwise order).
+    siblings (it also turns a -0.0 edge into 0.0, which a radix sort would order below 0.0).
     """
     batch_size, _, num_ranks = logp.shape
     parent_logws = logp.new_zeros(batch_size, 1)  # [B, W_prev], the root
@@ -145,11 +148,25 @@ def _kept_levels(logp: torch.Tensor, num_levels: int, budget_max: int) -> list[_
     for depth in range(num_levels):
         candidates = (parent_logws[:, :, None] + logp[:, depth, None, :]).flatten(1)  # [B, W_prev * K]
         width = min(candidates.shape[1], budget_max)
-        best = torch.sort(candidates, dim=1, descending=True, stable=True).indices[:, :width]
-        kept = torch.sort(best, dim=1).values  # back to rank-path order
+        kept = _best_in_index_order(candidates, width)  # [B, W], in rank-path order
         levels.append(_Level(candidates.gather(1, kept), kept // num_ranks, kept % num_ranks))
         parent_logws = levels[-1].logws
     return levels
+
+
+def _best_in_index_order(values: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` largest of each row of `values` [B, n], ties to the lower index,
+    in increasing index order: [B, count] int64 (count <= n)."""
+    batch_size, num_values = values.shape
+    threshold = torch.topk(values, count, dim=1, sorted=False).values.amin(dim=1, keepdim=True)  # [B, 1]
+    above = values > threshold
+    tied = values == threshold
+    room = count - above.sum(dim=1, keepdim=True)  # tied values still to take, >= 1
+    chosen = above | (tied & (torch.cumsum(tied, dim=1) <= room))  # exactly `count` per row
+    slots = torch.where(chosen, torch.cumsum(chosen, dim=1) - 1, count)  # unchosen: a spare column
+    indices = torch.arange(num_values, device=values.device).expand(batch_size, -1)
+    best = indices.new_empty(batch_size, count + 1).scatter_(1, slots, indices)
+    return best[:, :count]
 
 
 def _preorder(levels: list[_Level]) -> tuple[torch.Tensor, torch.Tensor]:
