@@ -2,7 +2,17 @@
 
 from ddtree_serve.tree.buffers import VerifyBatch, build_verify_batch
 from ddtree_serve.tree.ddtree import build_chain, build_ddtree
+from ddtree_serve.tree.device_build import DeviceTreeBatch, build_ddtree_batch
 from ddtree_serve.tree.draft_tree import DraftTree
 from ddtree_serve.tree.topk import draft_topk
 
-__all__ = ["DraftTree", "VerifyBatch", "build_chain", "build_ddtree", "build_verify_batch", "draft_topk"]
+__all__ = [
+    "DeviceTreeBatch",
+    "DraftTree",
+    "VerifyBatch",
+    "build_chain",
+    "build_ddtree",
+    "build_ddtree_batch",
+    "build_verify_batch",
+    "draft_topk",
+]
