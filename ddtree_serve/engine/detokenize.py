@@ -33,11 +33,12 @@ class IncrementalDecoder:
         self.window: list[int] = []  # the last few tokens: confirmed prefix, then unconfirmed
         self.num_prefix_tokens = 0  # window[:num_prefix_tokens] is already confirmed text
         self.pending_text = ""  # text of the unconfirmed tokens; may change as tokens arrive
+        self._prefix_text: str | None = None  # decode of the prefix, once asked for
 
     def extend(self, token_ids: Sequence[int]) -> str:
         """Append tokens; the text they (and earlier unconfirmed tokens) confirm, maybe ""."""
         self.window.extend(token_ids)
-        prefix_text = self._decode(self.window[: self.num_prefix_tokens])
+        prefix_text = self._prefix()
         window_text = self._decode(self.window)
         if not window_text.endswith(REPLACEMENT_CHAR):
             return self._confirm(len(self.window), window_text[len(prefix_text) :], "")
@@ -59,7 +60,14 @@ class IncrementalDecoder:
         del self.window[: self.num_prefix_tokens]
         self.num_prefix_tokens = end - self.num_prefix_tokens
         self.pending_text = pending_text
+        self._prefix_text = None
         return confirmed_text
+
+    def _prefix(self) -> str:
+        """The prefix decoded alone; kept while the tokens after it stay unconfirmed."""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self.window[: self.num_prefix_tokens])
+        return self._prefix_text
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if token_ids else ""
