@@ -6,6 +6,8 @@ vLLM's incremental detokenizer, `IncrementalDecoder` keeps a window of the last 
 tokens comes out exactly as in context) followed by the unconfirmed ones. Text is confirmed
 at a token boundary that is also a character boundary: there the one-shot decode of all
 tokens splits into the text before and the text after, so confirmed text never changes.
+That holds for byte-level decoders (bytes joined, then decoded as UTF-8), which every
+tokenizer this project loads uses.
 
 A window that decodes to text ending in U+FFFD may end inside a UTF-8 sequence that later
 tokens complete, so it is not confirmed. When it stays that way for more than
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what a partial (or invalid) UTF-8 sequence decodes to
-MAX_UNCONFIRMED_TOKENS = 8  # a partial character never spans more tokens than its 4 bytes
+MAX_UNCONFIRMED_TOKENS = 8  # a partial character spans at most 4 byte tokens (specials aside)
 
 
 class IncrementalDecoder:
