@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree_serve.engine.greedy_walk import greedy_walk_on_host
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
     DraftOutput,
@@ -30,6 +29,7 @@ from ddtree_serve.models import (
 )
 from ddtree_serve.tree import VerifyBatch, build_chain, build_verify_batch, draft_topk
 from ddtree_serve.verify import VerifyResult, backend_available, target_probs, verify_sampling
+from ddtree_serve.verify.greedy_host import greedy_walk_on_host
 
 if TYPE_CHECKING:
     from ddtree_serve.config import EngineConfig

@@ -1,12 +1,15 @@
 """The host greedy walk makes exactly the reference `verify_greedy`'s decisions."""
 
 import numpy as np
+import pytest
 import torch
 
-from ddtree_serve.engine.greedy_walk import greedy_walk_on_host
 from ddtree_serve.tree import build_chain, build_ddtree, build_verify_batch, draft_topk
-from ddtree_serve.verify import verify_greedy
+from ddtree_serve.verify import get_greedy_backend, greedy_backend_names, verify_greedy
+from ddtree_serve.verify.backends import torch_greedy_walk
+from ddtree_serve.verify.greedy_host import greedy_walk_on_host
 
+CUDA = torch.cuda.is_available()
 VOCAB = 12
 
 
@@ -22,10 +25,9 @@ def rigged_logits(batch, rng: np.random.Generator, p_follow: float) -> torch.Ten
     return logits
 
 
-def test_host_walk_matches_reference_on_random_trees():
-    rng = np.random.default_rng(0)
-    deepest = 0
-    for trial in range(40):
+def random_batches(rng: np.random.Generator, count: int):
+    """`count` (batch, logits) pairs: mixed chains and DDTrees, logits that follow the tree often."""
+    for trial in range(count):
         trees = []
         for _ in range(int(rng.integers(1, 5))):
             root = int(rng.integers(VOCAB))
@@ -35,7 +37,13 @@ def test_host_walk_matches_reference_on_random_trees():
                 logp, ids = draft_topk(torch.from_numpy(rng.normal(size=(5, VOCAB))).float(), 4)
                 trees.append(build_ddtree(logp, ids, int(rng.integers(1, 20)), root))
         batch = build_verify_batch(trees)
-        logits = rigged_logits(batch, rng, p_follow=0.8)
+        yield batch, rigged_logits(batch, rng, p_follow=0.8)
+
+
+def test_host_walk_matches_reference_on_random_trees():
+    rng = np.random.default_rng(0)
+    deepest = 0
+    for batch, logits in random_batches(rng, 40):
         expected = verify_greedy(batch, logits)
         accept_index, accept_len, bonus = greedy_walk_on_host(batch, logits.argmax(dim=-1))
         assert torch.equal(accept_index, expected.accept_index)
@@ -43,3 +51,25 @@ def test_host_walk_matches_reference_on_random_trees():
         assert torch.equal(bonus, expected.bonus_token)
         deepest = max(deepest, int(accept_len.max()))
     assert deepest >= 3  # the rigged logits make the walks go deep
+
+
+def test_registry_resolves_greedy_backends_once_by_name():
+    assert greedy_backend_names() == ["torch", "host"]
+    assert get_greedy_backend("torch") is torch_greedy_walk
+    assert get_greedy_backend("host") is greedy_walk_on_host
+    with pytest.raises(ValueError, match="unknown greedy verify backend"):
+        get_greedy_backend("triton")
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))]
+)
+def test_every_greedy_backend_equals_the_reference(device: str):
+    rng = np.random.default_rng(1)
+    for batch, logits in random_batches(rng, 20):
+        expected = verify_greedy(batch, logits)
+        for name in greedy_backend_names():
+            result = verify_greedy(batch, logits.to(device), backend=name)
+            assert torch.equal(result.accept_index.cpu(), expected.accept_index), name
+            assert torch.equal(result.accept_len.cpu(), expected.accept_len), name
+            assert torch.equal(result.bonus_token.cpu(), expected.bonus_token), name
