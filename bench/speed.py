@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
-from ddtree_serve.engine.local import LocalDrafter, LocalTarget, resolve_verify_backend
+from ddtree_serve.engine.draft_step import DraftStep
+from ddtree_serve.engine.local import resolve_verify_backend
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.engine.target_step import TargetStep
 from ddtree_serve.engine.timing import STEP_STAGES, StageTimer
 from ddtree_serve.models import (
     DFlashDrafter,
@@ -111,8 +113,8 @@ class Workers:
             dtype=dtype,
             target_layer_ids=drafter.target_layer_ids,
         )
-        self.drafter = LocalDrafter(drafter, self.timer)
-        self.target = LocalTarget(
+        self.drafter = DraftStep(drafter, self.timer)
+        self.target = TargetStep(
             runner, resolve_verify_backend(args.verify_backend, args.device), self.timer
         )
         self.tokenizer = load_tokenizer(target_dir)

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.local import LocalDrafter, LocalTarget, resolve_verify_backend
+from ddtree_serve.engine.draft_step import DraftStep
+from ddtree_serve.engine.local import resolve_verify_backend
+from ddtree_serve.engine.target_step import TargetStep
 from ddtree_serve.models import DFlashDrafter, TargetRunner, bundled_drafter_dir, bundled_target_dir
 from ddtree_serve.models.dflash import DFlashConfig
 
@@ -24,11 +26,11 @@ def drafter_dir(config: EngineConfig) -> Path:
 
 @dataclass(frozen=True)
 class LocalTargetFactory:
-    """Builds the `LocalTarget` of `config` inside the TargetWorker."""
+    """Builds the `TargetStep` of `config` inside the TargetWorker."""
 
     config: EngineConfig
 
-    def __call__(self) -> LocalTarget:
+    def __call__(self) -> TargetStep:
         layer_ids = None
         if self.config.mode != "ar":
             layer_ids = DFlashConfig.from_json_file(drafter_dir(self.config) / "config.json").target_layer_ids
@@ -40,16 +42,16 @@ class LocalTargetFactory:
             dtype=self.config.torch_dtype,
             target_layer_ids=layer_ids,
         )
-        return LocalTarget(runner, resolve_verify_backend(self.config.verify_backend, self.config.device))
+        return TargetStep(runner, resolve_verify_backend(self.config.verify_backend, self.config.device))
 
 
 @dataclass(frozen=True)
 class LocalDrafterFactory:
-    """Builds the `LocalDrafter` of `config` inside the DrafterWorker."""
+    """Builds the `DraftStep` of `config` inside the DrafterWorker."""
 
     config: EngineConfig
 
-    def __call__(self) -> LocalDrafter:
+    def __call__(self) -> DraftStep:
         drafter = DFlashDrafter.from_pretrained(
             drafter_dir(self.config),
             target_dir(self.config),
@@ -58,4 +60,4 @@ class LocalDrafterFactory:
             device=self.config.device,
             dtype=self.config.torch_dtype,
         )
-        return LocalDrafter(drafter)
+        return DraftStep(drafter)

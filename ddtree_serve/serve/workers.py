@@ -1,7 +1,8 @@
 """Ray actors that own the models, and the adapters that make them look like the engine's seam.
 
-`TargetWorker` / `DrafterWorker` wrap the in-process `Target` / `Drafter` built by a factory
-(so tests inject fakes and the engine decides how models load). `RayTarget` / `RayDrafter`
+`TargetWorker` / `DrafterWorker` hold the target's and the drafter's half of the step
+(`TargetStep` / `DraftStep`, or any `Target` / `Drafter`) built by a factory, so tests inject
+fakes and the engine decides how models load. `RayTarget` / `RayDrafter`
 implement the same protocols in the Coordinator over the actor handles: the `SpecEngine` loop
 runs unchanged, Ray only adds transport.
 
