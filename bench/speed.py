@@ -4,7 +4,7 @@ For every scenario (batch size x temperature) and every decoding config (ar, cha
 several budgets) it generates the same prompts with the same models, loaded once, and reports
 tokens/s, acceptance length (tokens per verify step) and where a step's time goes:
 
-    schedule / draft (draft_forward inside) / build / verify (target_forward inside) / commit
+    schedule / draft (draft_forward inside) / build / verify (target_forward inside) / append
 
 `overhead` is the share of a step spent outside the two forward passes (tree build, buffers,
 verification walk, KV compaction, bookkeeping). Prefill is timed apart and excluded from
@@ -31,7 +31,7 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.engine.target_step import TargetStep
-from ddtree_serve.engine.timing import STEP_STAGES, StageTimer
+from ddtree_serve.engine.timing import MODEL_STAGES, STEP_STAGES, Stage, StageTimer
 from ddtree_serve.models import (
     DFlashDrafter,
     TargetRunner,
@@ -64,8 +64,7 @@ PROMPTS = [
     "def readlines(self, hint=-1):\n    lines = []\n    total = 0\n    while True:\n",
     'class Timeout(Exception):\n    """Raised when a lock cannot be acquired in time."""\n\n\ndef ',
 ]
-STEP_TIME_STAGES = (*STEP_STAGES[:1], *STEP_STAGES[2:])  # every stage but prefill
-FORWARD_STAGES = ("draft_forward", "target_forward")
+STEP_TIME_STAGES = tuple(stage for stage in STEP_STAGES if stage is not Stage.PREFILL)
 
 
 @dataclass(frozen=True)
@@ -114,9 +113,7 @@ class Workers:
             target_layer_ids=drafter.target_layer_ids,
         )
         self.drafter = DraftStep(drafter, self.timer)
-        self.target = TargetStep(
-            runner, resolve_verify_backend(args.verify_backend, args.device), self.timer
-        )
+        self.target = TargetStep(runner, resolve_verify_backend(args.verify_backend, args.device), self.timer)
         self.tokenizer = load_tokenizer(target_dir)
         self.max_seq_len = max_seq_len
 
@@ -176,7 +173,7 @@ def summarize(mode: str, budget: int, batch_size: int, temperature: float, total
     steps = totals.steps
     stage_ms = {
         name: 1e3 * totals.stage_seconds.get(name, 0.0) / steps
-        for name in (*STEP_TIME_STAGES, *FORWARD_STAGES, "prefill")
+        for name in (*STEP_TIME_STAGES, *MODEL_STAGES, Stage.PREFILL)
     }
     step_ms = sum(stage_ms[name] for name in STEP_TIME_STAGES)
     forward_ms = stage_ms["draft_forward"] + stage_ms["target_forward"]
@@ -229,7 +226,7 @@ def markdown_table(results: list[Result], device: str) -> str:
         f"device: {device}",
         "",
         "| batch | temp | config | tok/s | vs ar | tau | step ms "
-        "| draft | build | verify | commit | fwd d/t | overhead |",
+        "| draft | build | verify | append | fwd d/t | overhead |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
@@ -240,7 +237,7 @@ def markdown_table(results: list[Result], device: str) -> str:
         lines.append(
             f"| {r.batch_size} | {r.temperature:g} | {r.label} | {r.tokens_per_s:.1f} | "
             f"{r.tokens_per_s / ar.tokens_per_s:.2f}x | {r.acceptance_length:.2f} | {r.step_ms:.2f} | "
-            f"{s['draft']:.2f} | {s['build']:.2f} | {s['verify']:.2f} | {s['commit']:.2f} | "
+            f"{s['draft']:.2f} | {s['build']:.2f} | {s['verify']:.2f} | {s['append']:.2f} | "
             f"{s['draft_forward']:.2f}/{s['target_forward']:.2f} | {100 * r.overhead:.0f}% |"
         )
     return "\n".join(lines)
@@ -278,7 +275,7 @@ def plot(results: list[Result], path: Path, device: str) -> None:
         "build": lambda r: r.stage_ms["build"],
         "target forward": lambda r: r.stage_ms["target_forward"],
         "verify other": lambda r: r.stage_ms["verify"] - r.stage_ms["target_forward"],
-        "commit + schedule": lambda r: r.stage_ms["commit"] + r.stage_ms["schedule"],
+        "append + schedule": lambda r: r.stage_ms["append"] + r.stage_ms["schedule"],
     }
     bottom = [0.0] * len(first)
     for name, part in parts.items():

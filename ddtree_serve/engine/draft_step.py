@@ -6,12 +6,10 @@ Ray a `DrafterWorker` holds one and adds only transport. It reads context handle
 `TargetStep` (lists of tensors, one per request).
 """
 
-from collections.abc import Sequence
-
 import torch
 
-from ddtree_serve.engine.interfaces import ContextSlice, DraftOutput
-from ddtree_serve.engine.timing import StageTimer
+from ddtree_serve.engine.interfaces import DraftInput, DraftOutput
+from ddtree_serve.engine.timing import Stage, StageTimer
 from ddtree_serve.models import DFlashDrafter
 from ddtree_serve.tree import draft_topk
 
@@ -27,17 +25,11 @@ class DraftStep:
     def block_size(self) -> int:
         return int(self.drafter.block_size)
 
-    def draft(
-        self,
-        slots: Sequence[int],
-        bonus_tokens: torch.Tensor,
-        contexts: Sequence[ContextSlice],
-        top_k: int,
-    ) -> DraftOutput:
-        new_context = [context.handle[context.index] for context in contexts]  # each [n_b, F]
-        with self.timer.stage("draft_forward"):
-            logits = self.drafter.draft(list(slots), bonus_tokens, new_context)  # [B, L, V]
-        logp, ids = draft_topk(logits, top_k)  # [B, L, K]
+    def draft(self, inputs: DraftInput) -> DraftOutput:
+        new_context = [context.handle[context.index] for context in inputs.contexts]  # each [n_b, F]
+        with self.timer.stage(Stage.DRAFT_FORWARD):
+            logits = self.drafter.draft(list(inputs.slots), inputs.bonus_tokens, new_context)  # [B, L, V]
+        logp, ids = draft_topk(logits, inputs.top_k)  # [B, L, K]
         packed = torch.cat([logp, ids.to(logp.dtype)], dim=-1).cpu()  # one copy; ids < 2^24 exact
         k = logp.shape[-1]
         return DraftOutput(logp=packed[..., :k].contiguous(), ids=packed[..., k:].long())

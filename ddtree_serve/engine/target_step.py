@@ -8,13 +8,17 @@ In process the engine calls it directly; over Ray a `TargetWorker` holds one and
 transport. Context handles it produces are lists of device tensors, one per request.
 """
 
-from collections.abc import Sequence
-
 import torch
 
 from ddtree_serve.engine.greedy_walk import greedy_walk_on_host
-from ddtree_serve.engine.interfaces import PrefillOutput, SamplingBatch, VerifyOutput
-from ddtree_serve.engine.timing import StageTimer
+from ddtree_serve.engine.interfaces import (
+    PrefillInput,
+    PrefillOutput,
+    SamplingBatch,
+    VerifyInput,
+    VerifyOutput,
+)
+from ddtree_serve.engine.timing import Stage, StageTimer
 from ddtree_serve.models import TargetRunner
 from ddtree_serve.tree import VerifyBatch, build_chain, build_verify_batch
 from ddtree_serve.verify import VerifyResult, target_probs, verify_sampling
@@ -42,54 +46,42 @@ class TargetStep:
     def max_seq_len(self) -> int:
         return int(self.runner.max_seq_len)
 
-    def prefill(
-        self,
-        slots: Sequence[int],
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-    ) -> PrefillOutput:
+    def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         # One forward for all prompts; timed as the engine's "prefill" stage.
-        last_logits, features = self.runner.prefill_batch(list(slots), [list(p) for p in prompts])  # [B, V]
+        slots, sampling = list(inputs.slots), inputs.sampling
+        last_logits, features = self.runner.prefill_batch(slots, [list(p) for p in inputs.prompts])  # [B, V]
         if sampling.all_greedy:
             first_tokens = last_logits.argmax(dim=-1)
         else:
             # The first token is an "ar" step's bonus: a root-only tree verified with coin_final.
-            assert coins is not None, "sampling needs coins"
+            assert inputs.coins is not None, "sampling needs coins"
             roots = build_verify_batch([build_chain([], 0) for _ in slots])
             no_coins = torch.zeros(roots.batch_size, 1)
             first_tokens = self._verify_sampling(
-                roots, last_logits.unsqueeze(1), sampling, no_coins, coins
+                roots, last_logits.unsqueeze(1), sampling, no_coins, inputs.coins
             ).bonus_token
         return PrefillOutput(first_tokens=first_tokens.cpu(), context=features)
 
-    def verify(
-        self,
-        slots: Sequence[int],
-        batch: VerifyBatch,
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-        coin_final: torch.Tensor | None,
-        return_context: bool,
-    ) -> VerifyOutput:
+    def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        slots, batch, sampling = list(inputs.slots), inputs.batch, inputs.sampling
         device_batch = batch.to(self.device)
         starts = [self.runner.seq_len(slot) for slot in slots]
-        with self.timer.stage("target_forward"):
-            logits, features = self.runner.verify(list(slots), device_batch, starts)  # [B, N, V], [B, N, F]
+        with self.timer.stage(Stage.TARGET_FORWARD):
+            logits, features = self.runner.verify(slots, device_batch, starts)  # [B, N, V], [B, N, F]
         if sampling.all_greedy:
             # One [B, N] copy to the host, then the walk there (no per-level device syncs).
             accept_index, accept_len, bonus = greedy_walk_on_host(batch, logits.argmax(dim=-1).cpu())
         else:
-            assert coins is not None and coin_final is not None, "sampling needs coins"
-            result = self._verify_sampling(device_batch, logits, sampling, coins, coin_final)
+            assert inputs.coins is not None and inputs.coin_final is not None, "sampling needs coins"
+            result = self._verify_sampling(device_batch, logits, sampling, inputs.coins, inputs.coin_final)
             # One device -> host copy for all small results.
             packed = torch.cat(
                 [result.accept_index, result.accept_len.view(-1, 1), result.bonus_token.view(-1, 1)], dim=1
             ).cpu()  # [B, D+3]
             accept_index, accept_len, bonus = packed[:, :-2], packed[:, -2], packed[:, -1]
-        self.runner.commit(list(slots), accept_index)  # host indices: compaction needs no sync
+        self.runner.commit(slots, accept_index)  # host indices: compaction needs no sync
         context = None
-        if return_context:
+        if inputs.return_context:
             context = _accepted_features(features, accept_index, accept_len)
         return VerifyOutput(
             accept_index=accept_index, accept_len=accept_len, bonus_token=bonus, context=context

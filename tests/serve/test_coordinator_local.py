@@ -88,7 +88,7 @@ def test_request_and_phase_spans_reach_the_file_exporter(
     assert request["parent_id"] == "0x2222222222222222"
     assert request["attributes"]["request_id"] == "traced"
     phases = {s["name"] for s in spans if s["parent_id"] == request["context"]["span_id"]}
-    assert {"prefill", "draft", "build", "verify", "commit"} <= phases
+    assert {"prefill", "draft", "build", "verify", "append"} <= phases
 
 
 class _BrokenVerifyFactory(LocalTargetFactory):
@@ -100,7 +100,7 @@ class _BrokenVerifyFactory(LocalTargetFactory):
         def broken_verify(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("device lost")
 
-        target.verify = broken_verify  # type: ignore[method-assign]
+        target.verify_and_commit = broken_verify  # type: ignore[method-assign]
         return target
 
 
