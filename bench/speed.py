@@ -25,20 +25,13 @@ from pathlib import Path
 
 import torch
 
-from ddtree_serve.engine.draft_step import DraftStep
-from ddtree_serve.engine.local import resolve_verify_backend
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.builder import build_draft_step, build_target_step, stage_timer, target_dir
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.spec_engine import SpecEngine
-from ddtree_serve.engine.target_step import TargetStep
-from ddtree_serve.engine.timing import MODEL_STAGES, STEP_STAGES, Stage, StageTimer
-from ddtree_serve.models import (
-    DFlashDrafter,
-    TargetRunner,
-    bundled_drafter_dir,
-    bundled_target_dir,
-    load_tokenizer,
-)
+from ddtree_serve.engine.timing import MODEL_STAGES, STEP_STAGES, Stage
+from ddtree_serve.models import load_tokenizer
 
 # Openings in the style of the standard library the bundled pair was trained on (written for
 # this benchmark); acceptance length depends on how in-distribution the text is.
@@ -91,30 +84,20 @@ class Workers:
     """Models loaded once; every config reuses them (slots are released after each run)."""
 
     def __init__(self, args: argparse.Namespace, num_slots: int, max_seq_len: int) -> None:
-        target_dir = Path(args.target) if args.target else bundled_target_dir()
-        drafter_dir = Path(args.drafter) if args.drafter else bundled_drafter_dir()
-        dtype = getattr(torch, args.dtype)
-        synchronize = torch.cuda.synchronize if args.device.startswith("cuda") else None
-        self.timer = StageTimer(enabled=True, synchronize=synchronize)
-        drafter = DFlashDrafter.from_pretrained(
-            drafter_dir,
-            target_dir,
-            num_slots=num_slots,
-            max_seq_len=max_seq_len,
+        config = EngineConfig(
+            target=args.target,
+            drafter=args.drafter,
             device=args.device,
-            dtype=dtype,
-        )
-        runner = TargetRunner.from_pretrained(
-            target_dir,
-            num_slots=num_slots,
+            dtype=args.dtype,
+            max_num_seqs=num_slots,
             max_seq_len=max_seq_len,
-            device=args.device,
-            dtype=dtype,
-            target_layer_ids=drafter.target_layer_ids,
+            verify_backend=args.verify_backend,
+            record_timings=True,
         )
-        self.drafter = DraftStep(drafter, self.timer)
-        self.target = TargetStep(runner, resolve_verify_backend(args.verify_backend, args.device), self.timer)
-        self.tokenizer = load_tokenizer(target_dir)
+        self.timer = stage_timer(config)
+        self.drafter = build_draft_step(config, self.timer)
+        self.target = build_target_step(config, self.timer)
+        self.tokenizer = load_tokenizer(target_dir(config))
         self.max_seq_len = max_seq_len
 
     def engine(self, mode: str, budget: int, batch_size: int) -> SpecEngine:

@@ -21,12 +21,12 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
+from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory, target_dir
 from ddtree_serve.engine.interfaces import Drafter, Target
 from ddtree_serve.engine.scheduler import QueueFullError
 from ddtree_serve.models import load_tokenizer
 from ddtree_serve.serve.config import ServeConfig, WorkerResources
 from ddtree_serve.serve.errors import ErrorKind, RequestError, invalid
-from ddtree_serve.serve.factories import LocalDrafterFactory, LocalTargetFactory, target_dir
 from ddtree_serve.serve.metrics import GroupMetrics
 from ddtree_serve.serve.observed_engine import ObservedEngine, StepRecord
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest, Usage
@@ -95,8 +95,8 @@ class Coordinator:
         None = load `config.engine`'s model directories (tests inject fakes here)."""
         self._config = config
         engine_config = config.engine
-        target_factory = target_factory or LocalTargetFactory(engine_config)
-        drafter_factory = drafter_factory or LocalDrafterFactory(engine_config)
+        target_factory = target_factory or TargetStepFactory(engine_config)
+        drafter_factory = drafter_factory or DraftStepFactory(engine_config)
         uses_drafter = engine_config.mode != "ar"
         if config.placement.workers == "in_process":
             target: Target = target_factory()

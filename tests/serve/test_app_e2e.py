@@ -503,12 +503,12 @@ def test_actor_adapters_forward_context_as_an_object_ref_and_match_in_process_mo
     import ray
     import torch
 
+    from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory
     from ddtree_serve.engine.interfaces import ContextSlice, DraftInput, PrefillInput, SamplingBatch
-    from ddtree_serve.serve.factories import LocalDrafterFactory, LocalTargetFactory
     from ddtree_serve.serve.workers import DrafterWorker, RayDrafter, RayTarget, TargetWorker
 
     engine_config = EngineConfig.model_validate(cluster.config.engine.model_dump())
-    target_factory, drafter_factory = LocalTargetFactory(engine_config), LocalDrafterFactory(engine_config)
+    target_factory, drafter_factory = TargetStepFactory(engine_config), DraftStepFactory(engine_config)
     remote_target = RayTarget(TargetWorker.options(num_cpus=0.01).remote(target_factory))
     remote_drafter = RayDrafter(DrafterWorker.options(num_cpus=0.01).remote(drafter_factory))
     local_target, local_drafter = target_factory(), drafter_factory()
