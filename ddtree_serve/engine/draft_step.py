@@ -26,13 +26,18 @@ class DraftStep:
         return int(self.drafter.block_size)
 
     def draft(self, inputs: DraftInput) -> DraftOutput:
+        slots = list(inputs.slots)
         new_context = [context.handle[context.index] for context in inputs.contexts]  # each [n_b, F]
         with self.timer.stage(Stage.DRAFT_FORWARD):
-            logits = self.drafter.draft(list(inputs.slots), inputs.bonus_tokens, new_context)  # [B, L, V]
+            logits = self.drafter.draft(slots, inputs.bonus_tokens, new_context)  # [B, L, V]
         logp, ids = draft_topk(logits, inputs.top_k)  # [B, L, K]
         packed = torch.cat([logp, ids.to(logp.dtype)], dim=-1).cpu()  # one copy; ids < 2^24 exact
         k = logp.shape[-1]
-        return DraftOutput(logp=packed[..., :k].contiguous(), ids=packed[..., k:].long())
+        return DraftOutput(
+            logp=packed[..., :k].contiguous(),
+            ids=packed[..., k:].long(),
+            num_context_tokens=tuple(self.drafter.context_len(slot) for slot in slots),
+        )
 
     def release(self, slot: int) -> None:
         self.drafter.release(slot)

@@ -86,6 +86,7 @@ class PrefillOutput:
     """Result of caching prompts: the first generated token of each and the prompt features."""
 
     first_tokens: torch.Tensor  # [B] int64, CPU; sampled from the last prompt position
+    num_cached_tokens: tuple[int, ...]  # [B] the slots' cache lengths after the prefill
     context: ContextHandle  # entry i: features of prompt i's tokens, for the drafter
 
 
@@ -107,6 +108,9 @@ class DraftOutput:
 
     logp: torch.Tensor  # [B, L, K] float32, CPU; log-probs over the full vocab, descending in K
     ids: torch.Tensor  # [B, L, K] int64, CPU; token id of each (position, rank)
+    # [B] context tokens each slot holds after taking its new context; the engine checks that
+    # they equal the target's cached tokens (the drafter sees exactly the committed text)
+    num_context_tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ class VerifyOutput:
     accept_index: torch.Tensor  # [B, D+1] int64, CPU; local node indices, root first, -1 padded
     accept_len: torch.Tensor  # [B] int64, CPU; accepted draft nodes, root excluded
     bonus_token: torch.Tensor  # [B] int64, CPU; next root, not yet in the target's cache
+    num_cached_tokens: tuple[int, ...]  # [B] the slots' cache lengths after the commit
     context: ContextHandle | None  # entry i: features of root + accepted nodes of request i
 
 

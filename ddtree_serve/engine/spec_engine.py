@@ -141,6 +141,7 @@ class SpecEngine:
         output = self.target.prefill(PrefillInput(slots, prompts, sampling, coins))
         first_tokens = output.first_tokens.tolist()
         for i, request in enumerate(requests):
+            request.num_cached_tokens = output.num_cached_tokens[i]
             request.bonus_token = first_tokens[i]
             request.pending_context = ContextSlice(output.context, i)
             self.stop_checker.append(request, [first_tokens[i]], self._max_output_tokens(request))
@@ -156,6 +157,7 @@ class SpecEngine:
         draft = self.drafter.draft(DraftInput([_slot(r) for r in requests], bonus_tokens, contexts, top_k))
         for request in requests:
             request.pending_context = None
+        _check_positions(requests, draft.num_context_tokens)
         return draft
 
     def _build(
@@ -210,6 +212,7 @@ class SpecEngine:
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
         for i, request in enumerate(requests):
+            request.num_cached_tokens = verdict.num_cached_tokens[i]
             accepted_nodes = accept_index[i][1 : 1 + accept_len[i]]
             new_tokens = [*trees[i].token_ids[accepted_nodes].tolist(), bonus_tokens[i]]
             request.steps += 1
@@ -284,6 +287,20 @@ def _sampling_batch(params: list[SamplingParams], vocab_size: int) -> SamplingBa
 def _uniforms(request: Request, n: int) -> torch.Tensor:
     """`n` float32 draws in [0, 1) from the request's own generator: [n]."""
     return torch.rand(n, generator=request.generator, dtype=torch.float32)
+
+
+def _check_positions(requests: list[Request], num_context_tokens: Sequence[int]) -> None:
+    """The drafter drafts from exactly the text in the target's cache, for every request.
+
+    Both counts come from their owners (the drafter's and the target's caches), so a lost or
+    doubled context append shows here, at the step it happens, not as silently worse drafts.
+    """
+    num_cached_tokens = [r.num_cached_tokens for r in requests]
+    if list(num_context_tokens) != num_cached_tokens:
+        raise RuntimeError(
+            f"drafter context lengths {list(num_context_tokens)} differ from the target's cached "
+            f"lengths {num_cached_tokens}"
+        )
 
 
 def _slot(request: Request) -> int:

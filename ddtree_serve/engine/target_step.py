@@ -60,14 +60,17 @@ class TargetStep:
             first_tokens = self._verify_sampling(
                 roots, last_logits.unsqueeze(1), sampling, no_coins, inputs.coins
             ).bonus_token
-        return PrefillOutput(first_tokens=first_tokens.cpu(), context=features)
+        return PrefillOutput(
+            first_tokens=first_tokens.cpu(),
+            num_cached_tokens=tuple(self.runner.seq_len(slot) for slot in slots),
+            context=features,
+        )
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
         slots, batch, sampling = list(inputs.slots), inputs.batch, inputs.sampling
         device_batch = batch.to(self.device)
-        starts = [self.runner.seq_len(slot) for slot in slots]
         with self.timer.stage(Stage.TARGET_FORWARD):
-            logits, features = self.runner.verify(slots, device_batch, starts)  # [B, N, V], [B, N, F]
+            logits, features = self.runner.verify(slots, device_batch)  # [B, N, V], [B, N, F]
         if sampling.all_greedy:
             # One [B, N] copy to the host, then the walk there (no per-level device syncs).
             accept_index, accept_len, bonus = greedy_walk_on_host(batch, logits.argmax(dim=-1).cpu())
@@ -79,12 +82,16 @@ class TargetStep:
                 [result.accept_index, result.accept_len.view(-1, 1), result.bonus_token.view(-1, 1)], dim=1
             ).cpu()  # [B, D+3]
             accept_index, accept_len, bonus = packed[:, :-2], packed[:, -2], packed[:, -1]
-        self.runner.commit(slots, accept_index)  # host indices: compaction needs no sync
+        num_cached_tokens = self.runner.commit(slots, accept_index)  # host indices: no sync
         context = None
         if inputs.return_context:
             context = _accepted_features(features, accept_index, accept_len)
         return VerifyOutput(
-            accept_index=accept_index, accept_len=accept_len, bonus_token=bonus, context=context
+            accept_index=accept_index,
+            accept_len=accept_len,
+            bonus_token=bonus,
+            num_cached_tokens=tuple(num_cached_tokens),
+            context=context,
         )
 
     def release(self, slot: int) -> None:

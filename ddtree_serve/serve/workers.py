@@ -59,9 +59,9 @@ class TargetWorker:
 
     @ray.method(num_returns=2)
     def prefill(self, inputs: Wired) -> tuple[Wired, Wired]:
-        """`inputs`: a wired `PrefillInput` -> (wired first tokens, wired context features)."""
+        """`inputs`: a wired `PrefillInput` -> (wired `PrefillOutput` without context, wired context)."""
         output = self._target.prefill(from_wire(inputs))
-        return to_wire(output.first_tokens), to_wire(output.context)
+        return to_wire(dataclasses.replace(output, context=None)), to_wire(output.context)
 
     @ray.method(num_returns=2)
     def verify_and_commit(self, inputs: Wired) -> tuple[Wired, Wired]:
@@ -120,8 +120,9 @@ class RayTarget:
         return self._max_seq_len
 
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
-        first_tokens_ref, context_ref = self._actor.prefill.remote(to_wire(inputs))
-        return PrefillOutput(first_tokens=from_wire(ray.get(first_tokens_ref)), context=context_ref)
+        output_ref, context_ref = self._actor.prefill.remote(to_wire(inputs))
+        output: PrefillOutput = from_wire(ray.get(output_ref))
+        return dataclasses.replace(output, context=context_ref)
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
         output_ref, context_ref = self._actor.verify_and_commit.remote(to_wire(inputs))

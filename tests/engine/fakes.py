@@ -111,7 +111,8 @@ class OracleDrafter:
                     elif draw < self.p_rank0 + self.p_rank1 and k > 1:
                         row[1] = true_token
                 ids[b, depth] = torch.from_numpy(row[:k])
-        return DraftOutput(logp=logp.contiguous(), ids=ids)
+        num_context_tokens = tuple(self.context_lens[slot] for slot in slots)
+        return DraftOutput(logp=logp.contiguous(), ids=ids, num_context_tokens=num_context_tokens)
 
     def release(self, slot: int) -> None:
         self.context_lens.pop(slot, None)

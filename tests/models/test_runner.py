@@ -47,12 +47,11 @@ def test_uncommitted_verify_leaves_slot_unchanged_and_release_resets(tiny_target
     prompt = list(range(20, 30))
     runner.prefill(0, prompt)
     batch = tree_inputs([([4, 5, 6, 7], [-1, 0, 0, 1])], num_slots=4)
-    runner.verify([0], batch, [10])
+    runner.verify([0], batch)
     root_only = tree_inputs([([9], [-1])], num_slots=1)
-    logits, _ = runner.verify([0], root_only, [10])
+    logits, _ = runner.verify([0], root_only)
     assert (logits[0, 0] - full_forward(runner, [*prompt, 9])[0][-1]).abs().max() < TOL
-    with pytest.raises(ValueError, match="starts"):
-        runner.verify([0], root_only, [11])
+    assert runner.seq_len(0) == len(prompt)
     runner.release(0)
     assert runner.seq_len(0) == 0
     logits, _ = runner.prefill(0, [3, 4])
@@ -63,7 +62,7 @@ def test_overflowing_the_slot_is_refused(tiny_target_dir: Path) -> None:
     runner = TargetRunner.from_pretrained(tiny_target_dir, num_slots=1, max_seq_len=8)
     runner.prefill(0, list(range(6)))
     with pytest.raises(ValueError, match="max_seq_len"):
-        runner.verify([0], tree_inputs([([1, 2, 3], [-1, 0, 1])], num_slots=3), [6])
+        runner.verify([0], tree_inputs([([1, 2, 3], [-1, 0, 1])], num_slots=3))
 
 
 def test_batched_prefill_equals_one_slot_at_a_time(tiny_target_dir: Path) -> None:
@@ -97,7 +96,7 @@ def test_cuda_verify_and_commit_match_cpu(tiny_target_dir: Path) -> None:
     outputs = []
     for runner in runners:
         runner.prefill_batch([0, 1], [list(range(3, 20)), list(range(40, 47))])
-        logits, features = runner.verify([0, 1], batch, [17, 7])
+        logits, features = runner.verify([0, 1], batch)
         runner.commit([0, 1], torch.tensor([[0, 1, -1], [0, -1, -1]]))
         after, _ = runner.prefill_batch([0, 1], [[5], [6]])
         outputs.append((logits.cpu(), features.cpu(), after.cpu()))
