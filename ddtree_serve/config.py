@@ -116,7 +116,6 @@ class EngineConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_seq_len=self.max_seq_len,
             max_queue_len=self.max_queue_len,
-            verify_backend=self.verify_backend,
             record_timings=self.record_timings,
         )
 

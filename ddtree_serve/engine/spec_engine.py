@@ -187,7 +187,7 @@ class SpecEngine:
             # Per request: one coin per real node then the final coin, all from its generator,
             # so a seeded request draws the same coins whatever batch it runs in.
             num_nodes = batch.num_nodes.tolist()
-            coins = torch.zeros(batch.batch_size, batch.num_slots, dtype=torch.float32)
+            coins = torch.zeros(batch.batch_size, batch.padded_num_nodes, dtype=torch.float32)
             coin_final = torch.zeros(batch.batch_size, dtype=torch.float32)
             for i, request in enumerate(requests):
                 if request.params.greedy:

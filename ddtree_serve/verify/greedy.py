@@ -25,7 +25,7 @@ def verify_greedy(batch: VerifyBatch, target_logits: torch.Tensor) -> VerifyResu
     def child_prob(current: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens == target_argmax[rows, current]).float()
 
-    coins = torch.zeros(batch_size, batch.num_slots, device=target_logits.device)
+    coins = torch.zeros(batch_size, batch.padded_num_nodes, device=target_logits.device)
     accept_index, accept_len = walk_tree(batch, child_prob, coins)
     bonus = target_argmax[rows, final_nodes(accept_index, accept_len)]
     return VerifyResult(accept_index=accept_index, accept_len=accept_len, bonus_token=bonus)

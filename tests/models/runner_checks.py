@@ -66,7 +66,7 @@ def check_verify_matches_path_decoding_then_commit(runner: TargetRunner, seed: i
         )
     for slot, prompt in zip(slots, prompts, strict=True):
         runner.prefill(slot, prompt)
-    batch = tree_inputs(trees, num_slots=14)
+    batch = tree_inputs(trees, padded_num_nodes=14)
     starts = [runner.seq_len(s) for s in slots]
     logits, features = runner.verify(slots, batch)
     assert logits.shape == (2, 14, vocab) and features.shape == (2, 14, runner.feature_dim)
