@@ -4,7 +4,7 @@ For every scenario (batch size x temperature) and every decoding config (ar, cha
 several budgets) it generates the same prompts with the same models, loaded once, and reports
 tokens/s, acceptance length (tokens per verify step) and where a step's time goes:
 
-    schedule / draft (draft_forward inside) / build / verify (target_forward inside) / commit
+    schedule / draft (draft_forward inside) / build / verify (target_forward inside) / append
 
 `overhead` is the share of a step spent outside the two forward passes (tree build, buffers,
 verification walk, KV compaction, bookkeeping). Prefill is timed apart and excluded from
@@ -25,18 +25,13 @@ from pathlib import Path
 
 import torch
 
-from ddtree_serve.engine.local import LocalDrafter, LocalTarget, resolve_verify_backend
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.builder import build_draft_step, build_target_step, stage_timer, target_dir
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.spec_engine import SpecEngine
-from ddtree_serve.engine.timing import STEP_STAGES, StageTimer
-from ddtree_serve.models import (
-    DFlashDrafter,
-    TargetRunner,
-    bundled_drafter_dir,
-    bundled_target_dir,
-    load_tokenizer,
-)
+from ddtree_serve.engine.timing import MODEL_STAGES, STEP_STAGES, Stage
+from ddtree_serve.models import load_tokenizer
 
 # Openings in the style of the standard library the bundled pair was trained on (written for
 # this benchmark); acceptance length depends on how in-distribution the text is.
@@ -62,8 +57,7 @@ PROMPTS = [
     "def readlines(self, hint=-1):\n    lines = []\n    total = 0\n    while True:\n",
     'class Timeout(Exception):\n    """Raised when a lock cannot be acquired in time."""\n\n\ndef ',
 ]
-STEP_TIME_STAGES = (*STEP_STAGES[:1], *STEP_STAGES[2:])  # every stage but prefill
-FORWARD_STAGES = ("draft_forward", "target_forward")
+STEP_TIME_STAGES = tuple(stage for stage in STEP_STAGES if stage is not Stage.PREFILL)
 
 
 @dataclass(frozen=True)
@@ -90,32 +84,20 @@ class Workers:
     """Models loaded once; every config reuses them (slots are released after each run)."""
 
     def __init__(self, args: argparse.Namespace, num_slots: int, max_seq_len: int) -> None:
-        target_dir = Path(args.target) if args.target else bundled_target_dir()
-        drafter_dir = Path(args.drafter) if args.drafter else bundled_drafter_dir()
-        dtype = getattr(torch, args.dtype)
-        synchronize = torch.cuda.synchronize if args.device.startswith("cuda") else None
-        self.timer = StageTimer(enabled=True, synchronize=synchronize)
-        drafter = DFlashDrafter.from_pretrained(
-            drafter_dir,
-            target_dir,
-            num_slots=num_slots,
-            max_seq_len=max_seq_len,
+        config = EngineConfig(
+            target=args.target,
+            drafter=args.drafter,
             device=args.device,
-            dtype=dtype,
-        )
-        runner = TargetRunner.from_pretrained(
-            target_dir,
-            num_slots=num_slots,
+            dtype=args.dtype,
+            max_num_seqs=num_slots,
             max_seq_len=max_seq_len,
-            device=args.device,
-            dtype=dtype,
-            target_layer_ids=drafter.target_layer_ids,
+            verify_backend=args.verify_backend,
+            record_timings=True,
         )
-        self.drafter = LocalDrafter(drafter, self.timer)
-        self.target = LocalTarget(
-            runner, resolve_verify_backend(args.verify_backend, args.device), self.timer
-        )
-        self.tokenizer = load_tokenizer(target_dir)
+        self.timer = stage_timer(config)
+        self.drafter = build_draft_step(config, self.timer)
+        self.target = build_target_step(config, self.timer)
+        self.tokenizer = load_tokenizer(target_dir(config))
         self.max_seq_len = max_seq_len
 
     def engine(self, mode: str, budget: int, batch_size: int) -> SpecEngine:
@@ -174,7 +156,7 @@ def summarize(mode: str, budget: int, batch_size: int, temperature: float, total
     steps = totals.steps
     stage_ms = {
         name: 1e3 * totals.stage_seconds.get(name, 0.0) / steps
-        for name in (*STEP_TIME_STAGES, *FORWARD_STAGES, "prefill")
+        for name in (*STEP_TIME_STAGES, *MODEL_STAGES, Stage.PREFILL)
     }
     step_ms = sum(stage_ms[name] for name in STEP_TIME_STAGES)
     forward_ms = stage_ms["draft_forward"] + stage_ms["target_forward"]
@@ -227,7 +209,7 @@ def markdown_table(results: list[Result], device: str) -> str:
         f"device: {device}",
         "",
         "| batch | temp | config | tok/s | vs ar | tau | step ms "
-        "| draft | build | verify | commit | fwd d/t | overhead |",
+        "| draft | build | verify | append | fwd d/t | overhead |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
@@ -238,7 +220,7 @@ def markdown_table(results: list[Result], device: str) -> str:
         lines.append(
             f"| {r.batch_size} | {r.temperature:g} | {r.label} | {r.tokens_per_s:.1f} | "
             f"{r.tokens_per_s / ar.tokens_per_s:.2f}x | {r.acceptance_length:.2f} | {r.step_ms:.2f} | "
-            f"{s['draft']:.2f} | {s['build']:.2f} | {s['verify']:.2f} | {s['commit']:.2f} | "
+            f"{s['draft']:.2f} | {s['build']:.2f} | {s['verify']:.2f} | {s['append']:.2f} | "
             f"{s['draft_forward']:.2f}/{s['target_forward']:.2f} | {100 * r.overhead:.0f}% |"
         )
     return "\n".join(lines)
@@ -276,7 +258,7 @@ def plot(results: list[Result], path: Path, device: str) -> None:
         "build": lambda r: r.stage_ms["build"],
         "target forward": lambda r: r.stage_ms["target_forward"],
         "verify other": lambda r: r.stage_ms["verify"] - r.stage_ms["target_forward"],
-        "commit + schedule": lambda r: r.stage_ms["commit"] + r.stage_ms["schedule"],
+        "append + schedule": lambda r: r.stage_ms["append"] + r.stage_ms["schedule"],
     }
     bottom = [0.0] * len(first)
     for name, part in parts.items():

@@ -66,7 +66,7 @@ class EngineConfig(BaseModel):
         description="Sampling verification backend; 'auto' picks triton on CUDA when importable, else torch.",
     )
     record_timings: bool = Field(
-        default=False, description="Record per-stage step times (draft/build/verify/commit)."
+        default=False, description="Record per-stage step times (draft/build/verify/append)."
     )
     default_max_tokens: int = Field(default=128, ge=1, description="max_tokens when a request sets none.")
     default_temperature: float = Field(default=0.0, ge=0.0, description="Temperature when unset; 0 = greedy.")
@@ -116,7 +116,6 @@ class EngineConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_seq_len=self.max_seq_len,
             max_queue_len=self.max_queue_len,
-            verify_backend=self.verify_backend,
             record_timings=self.record_timings,
         )
 

@@ -77,6 +77,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.slot: int | None = None
         self.output_token_ids: list[int] = []  # append-only: outputs share it
+        # Tokens in the slot's target cache, as prefill and commit report them; the drafter's
+        # context must hold as many when it drafts (the newest token is never cached).
+        self.num_cached_tokens = 0
         self.num_emitted_tokens = 0  # outputs already reported to the caller
         # The newest sampled token: root of the next tree, not yet in the target's cache.
         self.bonus_token: int | None = None

@@ -93,7 +93,7 @@ class DFlashDrafter:
 
     def context_len(self, slot: int) -> int:
         """Context tokens cached for the slot (equals the target's `seq_len` between steps)."""
-        return self.cache.lengths[slot]
+        return self.cache.length(slot)
 
     def release(self, slot: int) -> None:
         self.cache.release(slot)
@@ -117,8 +117,7 @@ class DFlashDrafter:
         context_kv = self.model.context_key_values(features[None], positions[None])  # per layer [1, M, kv, d]
         for layer, (keys, values) in enumerate(context_kv):
             self.cache.write(layer, slot_rows, positions, keys[0], values[0])
-        for slot, n in zip(slots, counts, strict=True):
-            self.cache.lengths[slot] += n
+        self.cache.append(slots, counts)
 
     @torch.inference_mode()
     def draft(

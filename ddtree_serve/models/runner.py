@@ -5,7 +5,8 @@ token (the bonus) is not cached. `verify` places a tree's root at `start = seq_l
 node i at position `start + depth[i]`, and writes every node's K/V into scratch rows
 `start + i`; `commit` keeps the root and the accepted nodes, moved down to rows
 `start .. start + accept_len`. Between `verify` and `commit` the committed lengths do not
-change, so a verify that is never committed leaves the slot as it was.
+change, so a verify that is never committed leaves the slot as it was. The cache is the only
+writer of lengths; `commit` returns the new ones.
 """
 
 from collections.abc import Sequence
@@ -95,7 +96,7 @@ class TargetRunner:
 
     def seq_len(self, slot: int) -> int:
         """Committed tokens in the slot's cache."""
-        return self.cache.lengths[slot]
+        return self.cache.length(slot)
 
     def release(self, slot: int) -> None:
         self.cache.release(slot)
@@ -139,8 +140,7 @@ class TargetRunner:
         mask = torch.arange(num_rows, device=device)[None, None, :] <= positions[..., None]  # [B, T, rows]
         writer = CacheWriter(self.cache, SlotIndex(slots, device), positions, num_rows)
         out = self.model(tokens, positions, mask, writer, self.target_layer_ids)
-        for slot, start, count in zip(slots, start_list, counts, strict=True):
-            self.cache.lengths[slot] = start + count
+        self.cache.append(slots, counts)
         last = torch.tensor(counts, device=device) - 1  # [B]
         batch_index = torch.arange(len(rows), device=device)
         logits = self.model.logits(out.hidden[batch_index, last])  # [B, V]
@@ -148,20 +148,14 @@ class TargetRunner:
         return logits, [features[b, : counts[b]] for b in range(len(rows))]
 
     @torch.inference_mode()
-    def verify(
-        self, slots: Sequence[int], batch: "VerifyBatch", starts: Sequence[int] | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, slots: Sequence[int], batch: "VerifyBatch") -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over every tree node -> (logits `[B, N, V]`, features `[B, N, F]`).
 
         Node i of row b attends to its slot's cached prefix and to the nodes that
         `batch.attn_mask[b, i]` allows (itself and its ancestors), at position
-        `starts[b] + depths[b, i]`. `starts` must equal the slots' cached lengths.
+        `start_b + depths[b, i]` where `start_b` is the slot's cached length.
         """
-        start_list = [int(s) for s in (starts.tolist() if isinstance(starts, torch.Tensor) else starts)]
-        if start_list != self.cache.slot_lengths(slots):
-            raise ValueError(
-                f"starts {start_list} differ from cached lengths {self.cache.slot_lengths(slots)}"
-            )
+        start_list = self.cache.slot_lengths(slots)
         num_nodes = batch.tokens.shape[1]
         self.cache.check_room(slots, num_nodes)
         batch_size = len(slots)
@@ -181,7 +175,9 @@ class TargetRunner:
         return self.model.logits(out.hidden), context_features(out, self.target_layer_ids)
 
     @torch.inference_mode()
-    def commit(self, slots: Sequence[int], accept_index: torch.Tensor) -> None:
+    def commit(self, slots: Sequence[int], accept_index: torch.Tensor) -> list[int]:
         """Keep the root and the accepted nodes of the last `verify` (`accept_index [B, D+1]`,
-        local node indices, root first, -1 padded); the slots grow by 1 + accept_len."""
-        self.cache.compact(slots, accept_index)
+        local node indices, root first, -1 padded); the slots grow by 1 + accept_len.
+
+        Returns the slots' new cached lengths."""
+        return self.cache.compact(slots, accept_index)

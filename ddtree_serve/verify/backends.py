@@ -73,7 +73,7 @@ def torch_greedy_walk(
     def child_prob(current: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens == target_argmax[rows, current]).float()
 
-    coins = torch.zeros(batch.batch_size, batch.num_slots, device=device)
+    coins = torch.zeros(batch.batch_size, batch.padded_num_nodes, device=device)
     accept_index, accept_len = walk_tree(batch, child_prob, coins)
     bonus = target_argmax[rows, final_nodes(accept_index, accept_len)]
     return accept_index, accept_len, bonus

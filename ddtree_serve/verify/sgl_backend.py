@@ -105,9 +105,9 @@ def _run_kernel(
     max_depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One kernel call on `[B, N]` tree buffers -> (accept_index [B, D+1] local, accept_len [B])."""
-    batch_size, num_slots = tokens.shape
+    batch_size, padded_num_nodes = tokens.shape
     device = target_probs.device
-    predicts = torch.full((batch_size * num_slots,), -1, dtype=torch.int32, device=device)
+    predicts = torch.full((batch_size * padded_num_nodes,), -1, dtype=torch.int32, device=device)
     accept_index = torch.full((batch_size, max_depth + 1), -1, dtype=torch.int32, device=device)
     accept_token_num = torch.zeros(batch_size, dtype=torch.int32, device=device)
     probs = target_probs.float().contiguous()
@@ -129,6 +129,6 @@ def _run_kernel(
         deterministic=True,
     )
     # The kernel reports flat rows (b * N + i); convert to local node indices.
-    row_base = (torch.arange(batch_size, device=device) * num_slots).view(-1, 1)
+    row_base = (torch.arange(batch_size, device=device) * padded_num_nodes).view(-1, 1)
     accept_local = torch.where(accept_index >= 0, accept_index.long() - row_base, -1)
     return accept_local, accept_token_num.long()

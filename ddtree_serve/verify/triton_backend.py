@@ -28,12 +28,12 @@ def _tree_walk_kernel(
     accept_len_ptr,  # [B] int64
     threshold_single,
     threshold_acc,  # already clamped to >= THRESHOLD_ACC_MIN
-    num_slots,
+    padded_num_nodes,
     vocab_size,
     max_depth,
 ):
     request = tl.program_id(0).to(tl.int64)
-    node_base = request * num_slots
+    node_base = request * padded_num_nodes
     accept_base = request * (max_depth + 1)
 
     # Loop-carried scalars start as int64 tensors (integer args equal to 1 arrive as constants).
@@ -72,7 +72,7 @@ def triton_walk(
     threshold_acc: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `backends.torch_walk`, for CUDA tensors."""
-    batch_size, num_slots = batch.tokens.shape
+    batch_size, padded_num_nodes = batch.tokens.shape
     device = target_probs.device
     accept_index = torch.full((batch_size, batch.max_depth + 1), -1, dtype=torch.int64, device=device)
     accept_len = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -88,7 +88,7 @@ def triton_walk(
         accept_len,
         float(threshold_single),
         clamped_threshold_acc(threshold_acc),
-        num_slots,
+        padded_num_nodes,
         target_probs.shape[-1],
         batch.max_depth,
     )

@@ -15,7 +15,7 @@ VOCAB = 12
 
 def rigged_logits(batch, rng: np.random.Generator, p_follow: float) -> torch.Tensor:
     """[B, N, V] random logits whose argmax at a node is one of its children's tokens w.p. p_follow."""
-    logits = torch.from_numpy(rng.normal(size=(batch.batch_size, batch.num_slots, VOCAB))).float()
+    logits = torch.from_numpy(rng.normal(size=(batch.batch_size, batch.padded_num_nodes, VOCAB))).float()
     tokens, parents = batch.tokens.numpy(), batch.parents.numpy()
     for b in range(batch.batch_size):
         for node in range(int(batch.num_nodes[b])):

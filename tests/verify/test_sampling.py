@@ -76,12 +76,12 @@ def test_bonus_is_never_a_child_or_zero_probability_token() -> None:
     generator = torch.Generator().manual_seed(3)
     trees = [build_ddtree(*draft_topk(torch.randn(3, 6, generator=generator), 3), 6, 0) for _ in range(64)]
     batch = build_verify_batch(trees)
-    logits = torch.randn(64, batch.num_slots, 6, generator=generator)
+    logits = torch.randn(64, batch.padded_num_nodes, 6, generator=generator)
     probs = target_probs(logits, torch.ones(64), torch.full((64,), 3), torch.ones(64))
     result = verify_sampling(
         batch,
         probs,
-        torch.rand(64, batch.num_slots, generator=generator),
+        torch.rand(64, batch.padded_num_nodes, generator=generator),
         torch.rand(64, generator=generator),
     )
     final = result.accept_index.gather(1, result.accept_len.view(-1, 1)).view(-1)
@@ -97,11 +97,14 @@ def test_mixed_temperatures_greedy_rows_equal_verify_greedy() -> None:
         build_ddtree(*draft_topk(torch.randn(4, 8, generator=generator) * 3, 3), 10, 1) for _ in range(8)
     ]
     batch = build_verify_batch(trees)
-    logits = torch.randn(8, batch.num_slots, 8, generator=generator) * 3
+    logits = torch.randn(8, batch.padded_num_nodes, 8, generator=generator) * 3
     temperature = torch.tensor([0.0, 1.0, 0.0, 0.7, 0.0, 1.3, 0.0, 0.0])
     probs = target_probs(logits, temperature, torch.zeros(8, dtype=torch.int64), torch.ones(8))
     sampled = verify_sampling(
-        batch, probs, torch.rand(8, batch.num_slots, generator=generator), torch.rand(8, generator=generator)
+        batch,
+        probs,
+        torch.rand(8, batch.padded_num_nodes, generator=generator),
+        torch.rand(8, generator=generator),
     )
     greedy = verify_greedy(batch, logits)
     rows = temperature == 0
