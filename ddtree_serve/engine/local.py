@@ -204,6 +204,7 @@ def build_local_engine(config: "EngineConfig") -> SpecEngine:
                 max_seq_len=settings.max_seq_len,
                 device=config.device,
                 dtype=config.torch_dtype,
+                enforce_eager=config.enforce_eager,
             ),
             timer,
         )
@@ -215,6 +216,7 @@ def build_local_engine(config: "EngineConfig") -> SpecEngine:
         dtype=config.torch_dtype,
         # The target taps the hidden layers its drafter was trained on.
         target_layer_ids=drafter.drafter.target_layer_ids if drafter is not None else None,
+        enforce_eager=config.enforce_eager,
     )
     target = LocalTarget(runner, resolve_verify_backend(config.verify_backend, config.device), timer)
     return SpecEngine(settings, target, drafter, load_tokenizer(target_dir), timer)

@@ -39,6 +39,7 @@ class LocalTargetFactory:
             device=self.config.device,
             dtype=self.config.torch_dtype,
             target_layer_ids=layer_ids,
+            enforce_eager=self.config.enforce_eager,
         )
         return LocalTarget(runner, resolve_verify_backend(self.config.verify_backend, self.config.device))
 
@@ -57,5 +58,6 @@ class LocalDrafterFactory:
             max_seq_len=self.config.max_seq_len,
             device=self.config.device,
             dtype=self.config.torch_dtype,
+            enforce_eager=self.config.enforce_eager,
         )
         return LocalDrafter(drafter)
