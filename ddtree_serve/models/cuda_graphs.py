@@ -82,6 +82,11 @@ class StaticForward(Generic[Inputs]):
         self._buckets: dict[Hashable, _Captured[Inputs]] = {}
 
     @property
+    def num_buckets(self) -> int:
+        """Buckets met so far (each with its static inputs, and its graph when capturing)."""
+        return len(self._buckets)
+
+    @property
     def num_graphs(self) -> int:
         return sum(entry.graph is not None for entry in self._buckets.values())
 
