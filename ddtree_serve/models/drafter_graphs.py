@@ -122,6 +122,7 @@ class DrafterGraphs:
         self.append = StaticForward(self._new_context_inputs, self._append, capture=capture, pool=pool)
         self.block = StaticForward(self._new_block_inputs, self._draft, capture=capture, pool=pool)
 
+    @torch.inference_mode()
     def append_context(
         self, features: Sequence[torch.Tensor], slot_rows: torch.Tensor, positions: torch.Tensor
     ) -> bool:
@@ -145,6 +146,7 @@ class DrafterGraphs:
         self.append.run(padded, fill)
         return True
 
+    @torch.inference_mode()
     def draft(
         self, slots: Sequence[int], bonus_tokens: torch.Tensor, context_lens: Sequence[int]
     ) -> torch.Tensor | None:

@@ -112,6 +112,7 @@ class TargetGraphs:
         num_rows = row_bucket(max_start + padded_nodes, self.cache.max_seq_len)
         return None if num_rows is None else (padded_batch, padded_nodes, num_rows)
 
+    @torch.inference_mode()
     def verify(
         self, slots: Sequence[int], batch: "VerifyBatch", starts: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
