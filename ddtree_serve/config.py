@@ -68,6 +68,11 @@ class EngineConfig(BaseModel):
     record_timings: bool = Field(
         default=False, description="Record per-stage step times (draft/build/verify/append)."
     )
+    enforce_eager: bool = Field(
+        default=False,
+        description="Run every forward eagerly, without CUDA graphs (vLLM's name; for debugging). "
+        "On CUDA the verify and draft forwards replay CUDA graphs otherwise; a CPU is always eager.",
+    )
     default_max_tokens: int = Field(default=128, ge=1, description="max_tokens when a request sets none.")
     default_temperature: float = Field(default=0.0, ge=0.0, description="Temperature when unset; 0 = greedy.")
     default_top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="top_p when unset.")

@@ -65,6 +65,7 @@ def build_target_step(config: EngineConfig, timer: StageTimer | None = None) -> 
         max_seq_len=config.max_seq_len,
         device=config.device,
         dtype=config.torch_dtype,
+        enforce_eager=config.enforce_eager,
         target_layer_ids=target_layer_ids(config),
     )
     return TargetStep(runner, resolve_verify_backend(config.verify_backend, config.device), timer)
@@ -78,6 +79,7 @@ def build_draft_step(config: EngineConfig, timer: StageTimer | None = None) -> D
         max_seq_len=config.max_seq_len,
         device=config.device,
         dtype=config.torch_dtype,
+        enforce_eager=config.enforce_eager,
     )
     return DraftStep(drafter, timer)
 

@@ -4,6 +4,8 @@ Layout: `keys` `[layers, slots, max_seq_len, kv_heads, head_dim]` and `values` t
 `value_head_dim` last (equal to `head_dim` except for MLA's decompressed K/V); slot s holds
 `length(s)` committed entries at rows `[0, length(s))`. Rows past the length are scratch:
 a tree verification writes its nodes there, and `compact` moves the accepted ones down.
+Optional scratch slots after the request slots (`scratch_slots`) hold no request: a CUDA graph
+padded to a larger batch sends its padding rows' writes there.
 Lengths live on the host (a Python list) so bookkeeping never waits on the device; this class
 is their only writer (`append`, `compact`, `release`), and each write returns the new lengths.
 """
@@ -37,9 +39,14 @@ class SlotKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         value_head_dim: int | None = None,
+        scratch_slots: int = 0,
     ) -> None:
-        """`value_head_dim`: size of a value head when it differs from a key head (None: `head_dim`)."""
-        shape = (num_layers, num_slots, max_seq_len, num_kv_heads)
+        """`value_head_dim`: size of a value head when it differs from a key head (None: `head_dim`).
+
+        `scratch_slots`: extra slots past the last request slot (indices `num_slots ..`), never
+        handed to a request; their rows take writes that nothing reads back.
+        """
+        shape = (num_layers, num_slots + scratch_slots, max_seq_len, num_kv_heads)
         self.keys = torch.zeros((*shape, head_dim), dtype=dtype, device=device)
         self.values = torch.zeros((*shape, value_head_dim or head_dim), dtype=dtype, device=device)
         self.num_slots = num_slots
@@ -122,13 +129,25 @@ class SlotIndex:
     """
 
     def __init__(self, slots: Sequence[int], device: torch.device) -> None:
-        self.slots = list(slots)
-        first = self.slots[0]
-        if self.slots == list(range(first, first + len(self.slots))):
-            self.index: slice | torch.Tensor = slice(first, first + len(self.slots))
+        slot_list = list(slots)
+        first = slot_list[0]
+        if slot_list == list(range(first, first + len(slot_list))):
+            self.index: slice | torch.Tensor = slice(first, first + len(slot_list))
         else:
-            self.index = torch.tensor(self.slots, dtype=torch.int64, device=device)
-        self.rows = torch.tensor(self.slots, dtype=torch.int64, device=device)  # [B]
+            self.index = torch.tensor(slot_list, dtype=torch.int64, device=device)
+        self.rows = torch.tensor(slot_list, dtype=torch.int64, device=device)  # [B]
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor) -> "SlotIndex":
+        """Slots given as a device tensor `[B]` (a CUDA graph's static input): always a gather.
+
+        Nothing here reads the tensor on the host, so a graph can capture what uses it and
+        replay it with other slots written into `rows`.
+        """
+        index = cls.__new__(cls)
+        index.index = rows
+        index.rows = rows
+        return index
 
 
 class CacheWriter:
