@@ -159,7 +159,8 @@ class Coordinator:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Streams one chunk per engine step that committed tokens; the last has usage."""
-        prompt_ids = self._engine.tokenizer.encode(request.prompt).ids
+        prompt = request.prompt
+        prompt_ids = self._engine.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         if len(prompt_ids) > self._config.max_prompt_tokens:
             self._reject("prompt_too_long")
             raise invalid(
@@ -167,6 +168,10 @@ class Coordinator:
                 f"{self._config.max_prompt_tokens}",
                 "prompt",
             )
+        # Positions a request may fill: the slot less the rows one padded tree takes past it.
+        request.check_context_length(
+            len(prompt_ids), self._engine.max_seq_len - self._engine.max_tree_tokens + 1
+        )
         engine_id = f"{request.request_id}#{next(self._ids)}"
         with self._tracing.span(
             "ddtree.request", request.trace_carrier, {"request_id": request.request_id}
