@@ -59,9 +59,11 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
         message = f"Invalid URL ({route}): this server serves {', '.join(ROUTES)}"
         return error_response(RequestError(ErrorKind.NOT_FOUND, message))
     if error.status_code == 405:
-        allowed = error.headers.get("allow", "") if error.headers else ""
+        allowed = {name.lower(): value for name, value in (error.headers or {}).items()}.get("allow", "")
         message = f"Method {request.method} is not allowed on {request.url.path} (allowed: {allowed})"
-        return error_response(RequestError(ErrorKind.METHOD_NOT_ALLOWED, message))
+        response = error_response(RequestError(ErrorKind.METHOD_NOT_ALLOWED, message))
+        response.headers["Allow"] = allowed
+        return response
     return error_response(RequestError(ErrorKind.INVALID_ARGUMENT, str(error.detail)))
 
 
