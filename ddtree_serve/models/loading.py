@@ -109,6 +109,7 @@ def load_target_model(
     tensors = load_tensors(
         path, dtype=dtype, device=device, dtype_for_key=lambda key: family.tensor_dtype(config, key, dtype)
     )
+    tensors = family.prepare_tensors(config, tensors)
     if config.tie_word_embeddings:
         tensors[_HEAD_KEY] = tensors[_EMBED_KEY]
     _assign_weights(model, tensors, path)
@@ -135,10 +136,13 @@ def load_embedding_and_head(
     """Only the target's token embedding `[V, H]` and LM head `[V, H]`, for the drafter to borrow."""
     target_path = Path(target_path)
     raw_config = read_config(target_path)
-    config = target_family(raw_config).parse_config(raw_config)
-    tensors = load_tensors(target_path, dtype=dtype, device=device, keys={_EMBED_KEY, _HEAD_KEY})
-    embed = tensors[_EMBED_KEY]
-    head = embed if config.tie_word_embeddings else tensors[_HEAD_KEY]
+    family = target_family(raw_config)
+    config = family.parse_config(raw_config)
+    prefix = family.checkpoint_prefix(config)
+    embed_key, head_key = prefix + _EMBED_KEY, prefix + _HEAD_KEY
+    tensors = load_tensors(target_path, dtype=dtype, device=device, keys={embed_key, head_key})
+    embed = tensors[embed_key]
+    head = embed if config.tie_word_embeddings else tensors[head_key]
     return embed, head
 
 
