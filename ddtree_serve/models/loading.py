@@ -1,4 +1,4 @@
-"""HF-style model directories: `config.json`, `*.safetensors`, `tokenizer.json`.
+"""HF-style model directories: `config.json`, `*.safetensors` (tokenizers: `tokenizer.py`).
 
 Real checkpoints (a local Qwen3 or DeepseekV3/Kimi K2 target + z-lab DFlash drafter) and the
 bundled pair go through the same functions; the target's family comes from `families.py`.
@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tokenizers import Tokenizer
 from torch import nn
 
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
@@ -165,8 +164,3 @@ def save_model_dir(
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The `tokenizers` tokenizer of a model directory (`tokenizer.json`)."""
-    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))

@@ -8,6 +8,7 @@ expert packed to INT4 by compressed-tensors' own compressor. It also writes the 
 weights as a plain DeepseekV3 directory, for transformers to run as the reference.
 """
 
+import base64
 import json
 import math
 import re
@@ -152,3 +153,53 @@ def write_kimi_k25_dir(hf_dir: Path, kimi_dir: Path, dequantized_dir: Path) -> N
     dequantized_dir.mkdir(parents=True, exist_ok=True)
     save_file(dequantized, str(dequantized_dir / "model.safetensors"), metadata={"format": "pt"})
     (dequantized_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+# A tiny tiktoken BPE in Kimi's layout: the 256 bytes, then merges reaching "hello"; special
+# tokens follow at 261.. (named in tokenizer_config.json, the rest `<|reserved_token_N|>`)
+_TIKTOKEN_MERGES = [b"he", b"ll", b"hell", b"hello", b"wo", b"rl", b"rld", b"world"]
+KIMI_SPECIAL_TOKENS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>"]
+KIMI_SPECIAL_TOKENS += ["<|im_middle|>", "[MASK]"]
+KIMI_NUM_BASE_TOKENS = 256 + len(_TIKTOKEN_MERGES)
+KIMI_VOCAB_SIZE = KIMI_NUM_BASE_TOKENS + 256
+KIMI_CHAT_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- else -%}{{ raise_exception('unknown role ' + message['role']) }}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' and message.get('reasoning_content') -%}"
+    "<think>{{ message['reasoning_content'] }}</think>"
+    "{%- endif -%}"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def write_kimi_tokenizer(path: Path) -> Path:
+    """`tiktoken.model` + `tokenizer_config.json` (special tokens, chat template) as Kimi ships them."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokens = [bytes([b]) for b in range(256)] + _TIKTOKEN_MERGES
+    lines = [f"{base64.b64encode(token).decode()} {rank}" for rank, token in enumerate(tokens)]
+    (path / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    added = {
+        str(KIMI_NUM_BASE_TOKENS + i): {"content": token, "special": True}
+        for i, token in enumerate(KIMI_SPECIAL_TOKENS)
+    }
+    config = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "added_tokens_decoder": added,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "chat_template": KIMI_CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return path
