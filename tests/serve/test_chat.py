@@ -9,6 +9,7 @@ on/off, a vision tower in the config) and a Qwen3 directory with a `chat_templat
 """
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,17 @@ def test_images_are_refused_on_a_text_only_target_over_http_and_grpc() -> None:
     for error in (http, grpc):
         assert error.param == "messages.0.content.1"
         assert "this deployment serves text only" in error.message and "vision tower" not in error.message
+
+
+def test_the_readme_chat_examples_render_on_the_bundled_pair() -> None:
+    root = Path(__file__).resolve().parents[2]
+    docs = (root / "README.md").read_text() + (root / "deployments" / "README.md").read_text()
+    bodies = re.findall(r"/v1/chat/completions .*?-d '(.*?)'", docs, flags=re.DOTALL)
+    assert len(bodies) >= 3  # README, deployments/README's streaming and chat_template_kwargs ones
+    core = ingress(serve_config())
+    for body in map(json.loads, bodies):
+        prompt, _ = http_chat(core, body)
+        assert prompt == ChatTemplate(CHATML_TEMPLATE).render(body["messages"])
 
 
 # ------------------------------------------------------------------------ Kimi-like target
