@@ -6,6 +6,7 @@ from typing import Any
 import pytest
 
 from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.serve.chat import ChatFormat
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError
 from ddtree_serve.serve.grpc_adapter import GrpcAdapter
@@ -68,7 +69,7 @@ class _Context:
 
 def test_grpc_chat_messages_obey_the_prompt_character_limit() -> None:
     config = ServeConfig.model_validate({"limits": {"max_prompt_chars": 100}})
-    adapter = GrpcAdapter(coordinator=None, config=config)  # type: ignore[arg-type]
+    adapter = GrpcAdapter(None, config, ChatFormat.from_config(config))  # type: ignore[arg-type]
     message = pb2.GenerateRequest(messages=[pb2.ChatMessage(role="user", content="a " * 100)])
     with pytest.raises(RequestError) as raised:
         adapter._grpc_request(message, _Context())
@@ -153,7 +154,8 @@ def not_utf8(message: Any) -> bytes:
 
 
 def grpc_adapter() -> GrpcAdapter:
-    return GrpcAdapter(coordinator=None, config=ServeConfig())  # type: ignore[arg-type]
+    config = ServeConfig()
+    return GrpcAdapter(None, config, ChatFormat.from_config(config))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
