@@ -1,17 +1,20 @@
-"""Decoding speed of ar, chain and ddtree side by side, on CPU or CUDA.
+"""Decoding speed of ar, chain and ddtree side by side, against HF transformers, on CPU or CUDA.
 
 For every scenario (batch size x temperature) and every decoding config (ar, chain, ddtree at
-several budgets) it generates the same prompts with the same models, loaded once, and reports
-tokens/s, acceptance length (tokens per verify step) and where a step's time goes:
+several budgets; on CUDA each with CUDA graphs and with `enforce_eager`) it generates the same
+prompts with the same models, loaded once, and reports tokens/s, acceptance length (tokens per
+verify step) and where a step's time goes:
 
-    schedule / draft (draft_forward inside) / build / verify (target_forward inside) / commit
+    schedule / draft (draft_forward inside) / build / verify (target_forward inside) / append
 
 `overhead` is the share of a step spent outside the two forward passes (tree build, buffers,
 verification walk, KV compaction, bookkeeping). Prefill is timed apart and excluded from
-steps. Results go to bench/out/speed.{md,json,png}.
+steps. The reference every ratio is taken against is HF transformers' own greedy decoding of
+the same target (`AutoModelForCausalLM.generate`, SDPA attention, the same prompts and new
+tokens, batches left-padded), timed in the same run. Results go to bench/out/speed.{md,json,png}.
 
     python bench/speed.py                                    # bundled pair, CPU
-    python bench/speed.py --device cuda --dtype bfloat16     # H200
+    python bench/speed.py --device cuda --dtype bfloat16     # H200: graphs on and off
     python bench/speed.py --target T --drafter D --budgets 16,32,64 --batch-sizes 1,16
 """
 
@@ -25,18 +28,13 @@ from pathlib import Path
 
 import torch
 
-from ddtree_serve.engine.local import LocalDrafter, LocalTarget, resolve_verify_backend
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.builder import build_draft_step, build_target_step, stage_timer, target_dir
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.spec_engine import SpecEngine
-from ddtree_serve.engine.timing import STEP_STAGES, StageTimer
-from ddtree_serve.models import (
-    DFlashDrafter,
-    TargetRunner,
-    bundled_drafter_dir,
-    bundled_target_dir,
-    load_tokenizer,
-)
+from ddtree_serve.engine.timing import MODEL_STAGES, STEP_STAGES, Stage
+from ddtree_serve.models import load_tokenizer
 
 # Openings in the style of the standard library the bundled pair was trained on (written for
 # this benchmark); acceptance length depends on how in-distribution the text is.
@@ -62,14 +60,14 @@ PROMPTS = [
     "def readlines(self, hint=-1):\n    lines = []\n    total = 0\n    while True:\n",
     'class Timeout(Exception):\n    """Raised when a lock cannot be acquired in time."""\n\n\ndef ',
 ]
-STEP_TIME_STAGES = (*STEP_STAGES[:1], *STEP_STAGES[2:])  # every stage but prefill
-FORWARD_STAGES = ("draft_forward", "target_forward")
+STEP_TIME_STAGES = tuple(stage for stage in STEP_STAGES if stage is not Stage.PREFILL)
 
 
 @dataclass(frozen=True)
 class Result:
-    mode: str
+    mode: str  # "hf" for the transformers baseline
     budget: int
+    graphs: bool
     batch_size: int
     temperature: float
     num_tokens: int
@@ -89,34 +87,24 @@ class Result:
 class Workers:
     """Models loaded once; every config reuses them (slots are released after each run)."""
 
-    def __init__(self, args: argparse.Namespace, num_slots: int, max_seq_len: int) -> None:
-        target_dir = Path(args.target) if args.target else bundled_target_dir()
-        drafter_dir = Path(args.drafter) if args.drafter else bundled_drafter_dir()
-        dtype = getattr(torch, args.dtype)
-        synchronize = torch.cuda.synchronize if args.device.startswith("cuda") else None
-        self.timer = StageTimer(enabled=True, synchronize=synchronize)
-        drafter = DFlashDrafter.from_pretrained(
-            drafter_dir,
-            target_dir,
-            num_slots=num_slots,
-            max_seq_len=max_seq_len,
+    def __init__(self, args: argparse.Namespace, num_slots: int, max_seq_len: int, graphs: bool) -> None:
+        config = EngineConfig(
+            target=args.target,
+            drafter=args.drafter,
             device=args.device,
-            dtype=dtype,
-        )
-        runner = TargetRunner.from_pretrained(
-            target_dir,
-            num_slots=num_slots,
+            dtype=args.dtype,
+            max_num_seqs=num_slots,
             max_seq_len=max_seq_len,
-            device=args.device,
-            dtype=dtype,
-            target_layer_ids=drafter.target_layer_ids,
+            verify_backend=args.verify_backend,
+            record_timings=True,
+            enforce_eager=not graphs,
         )
-        self.drafter = LocalDrafter(drafter, self.timer)
-        self.target = LocalTarget(
-            runner, resolve_verify_backend(args.verify_backend, args.device), self.timer
-        )
-        self.tokenizer = load_tokenizer(target_dir)
+        self.timer = stage_timer(config)
+        self.drafter = build_draft_step(config, self.timer)
+        self.target = build_target_step(config, self.timer)
+        self.tokenizer = load_tokenizer(target_dir(config))
         self.max_seq_len = max_seq_len
+        self.graphs = graphs
 
     def engine(self, mode: str, budget: int, batch_size: int) -> SpecEngine:
         settings = EngineSettings(
@@ -140,6 +128,66 @@ class Totals:
     request_steps: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     steps: int = 0
+    token_ids: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> new tokens
+
+
+class HFBaseline:
+    """HF transformers' greedy decoding of the same target directory: the reference of every ratio.
+
+    `generate` with its default dynamic cache and SDPA attention; batches are left-padded (pad
+    id 0, masked out) and every sequence makes exactly `max_tokens` new tokens, as ours do
+    with `ignore_eos`.
+    """
+
+    def __init__(self, target_dir: Path, device: str, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa")
+        self.model.to(device).eval()
+        self.device = device
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+        attention_mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+        for b, prompt in enumerate(prompts):
+            input_ids[b, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[b, width - len(prompt) :] = 1
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return out[:, width:].tolist()
+
+
+def run_hf_once(hf: HFBaseline, tokenizer, batch_size: int, args, totals: Totals) -> None:
+    """Warm up, then generate every prompt in batches of `batch_size` and add to `totals`."""
+    count = max(batch_size, args.num_prompts)
+    prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]).ids for i in range(count)]
+    hf.generate(prompts[:batch_size], 8)
+    _synchronize(args.device)
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch_size):
+        for offset, new_tokens in enumerate(
+            hf.generate(prompts[first : first + batch_size], args.max_tokens)
+        ):
+            totals.token_ids[first + offset] = new_tokens
+    _synchronize(args.device)
+    totals.seconds += time.perf_counter() - start
+    totals.num_tokens += len(prompts) * args.max_tokens
+    totals.step_tokens += len(prompts) * args.max_tokens
+    totals.request_steps += len(prompts) * args.max_tokens
+    totals.steps += -(-len(prompts) // batch_size) * args.max_tokens
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def run_once(
@@ -168,19 +216,25 @@ def run_once(
     totals.steps += workers.timer.counts["verify"]
     for name, seconds in workers.timer.seconds.items():
         totals.stage_seconds[name] += seconds
+    totals.token_ids.update({int(f.request_id): list(f.token_ids) for f in finals})
 
 
-def summarize(mode: str, budget: int, batch_size: int, temperature: float, totals: Totals) -> Result:
+def summarize(
+    mode: str, budget: int, graphs: bool, batch_size: int, temperature: float, totals: Totals
+) -> Result:
     steps = totals.steps
     stage_ms = {
         name: 1e3 * totals.stage_seconds.get(name, 0.0) / steps
-        for name in (*STEP_TIME_STAGES, *FORWARD_STAGES, "prefill")
+        for name in (*STEP_TIME_STAGES, *MODEL_STAGES, Stage.PREFILL)
     }
     step_ms = sum(stage_ms[name] for name in STEP_TIME_STAGES)
+    if mode == "hf":  # whole generate calls: no stages, every step one forward
+        step_ms = 1e3 * totals.seconds / steps
     forward_ms = stage_ms["draft_forward"] + stage_ms["target_forward"]
     return Result(
         mode=mode,
         budget=budget,
+        graphs=graphs,
         batch_size=batch_size,
         temperature=temperature,
         num_tokens=totals.num_tokens,
@@ -190,12 +244,16 @@ def summarize(mode: str, budget: int, batch_size: int, temperature: float, total
         steps=steps,
         step_ms=step_ms,
         stage_ms=stage_ms,
-        overhead=1.0 - forward_ms / step_ms,
+        overhead=0.0 if mode == "hf" else 1.0 - forward_ms / step_ms,
     )
 
 
 def profile_steps(workers: Workers, budget: int, temperature: float, num_steps: int = 20) -> None:
-    """Operator-level table of `num_steps` ddtree steps at batch 1 (where the time goes)."""
+    """Operator-level table of `num_steps` ddtree steps at batch 1 (where the time goes).
+
+    With CUDA graphs the device side still lists a replay's kernels one by one; on the host
+    side a replay is one `cudaGraphLaunch`.
+    """
     engine = workers.engine("ddtree", budget, 1)
     params = SamplingParams(max_tokens=10_000, temperature=temperature, seed=0, ignore_eos=True)
     engine.add_request("profile", PROMPTS[0], params)
@@ -210,7 +268,8 @@ def profile_steps(workers: Workers, budget: int, temperature: float, num_steps: 
     engine.abort_request("profile")
     engine.step()
     sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(f"\nprofile: ddtree-{budget}, batch 1, T={temperature:g}, {num_steps} steps")
+    graphs = "graphs" if workers.graphs else "eager"
+    print(f"\nprofile: ddtree-{budget} ({graphs}), batch 1, T={temperature:g}, {num_steps} steps")
     print(profiler.key_averages().table(sort_by=sort_by, row_limit=25))
     print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
@@ -223,22 +282,31 @@ def _drain(engine: SpecEngine) -> list:
 
 
 def markdown_table(results: list[Result], device: str) -> str:
+    """One row per config: `vs hf` against HF's greedy loop at the same batch size, `vs ar`
+    against our plain decoding with the same graphs setting and temperature."""
     lines = [
         f"device: {device}",
         "",
-        "| batch | temp | config | tok/s | vs ar | tau | step ms "
-        "| draft | build | verify | commit | fwd d/t | overhead |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| batch | temp | config | graphs | tok/s | vs hf | vs ar | tau | step ms "
+        "| draft | build | verify | append | fwd d/t | overhead |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
-        ar = next(
-            x for x in results if (x.batch_size, x.temperature, x.mode) == (r.batch_size, r.temperature, "ar")
-        )
+        hf = next(x for x in results if (x.batch_size, x.mode) == (r.batch_size, "hf"))
+        if r.mode == "hf":
+            lines.append(
+                f"| {r.batch_size} | 0 | hf transformers | - | {r.tokens_per_s:.1f} | 1.00x | - | 1.00 | "
+                f"{r.step_ms:.2f} | - | - | - | - | - | - |"
+            )
+            continue
+        same_ar = (r.batch_size, r.temperature, "ar", r.graphs)
+        ar = next(x for x in results if (x.batch_size, x.temperature, x.mode, x.graphs) == same_ar)
         s = r.stage_ms
         lines.append(
-            f"| {r.batch_size} | {r.temperature:g} | {r.label} | {r.tokens_per_s:.1f} | "
+            f"| {r.batch_size} | {r.temperature:g} | {r.label} | {'on' if r.graphs else 'off'} | "
+            f"{r.tokens_per_s:.1f} | {r.tokens_per_s / hf.tokens_per_s:.2f}x | "
             f"{r.tokens_per_s / ar.tokens_per_s:.2f}x | {r.acceptance_length:.2f} | {r.step_ms:.2f} | "
-            f"{s['draft']:.2f} | {s['build']:.2f} | {s['verify']:.2f} | {s['commit']:.2f} | "
+            f"{s['draft']:.2f} | {s['build']:.2f} | {s['verify']:.2f} | {s['append']:.2f} | "
             f"{s['draft_forward']:.2f}/{s['target_forward']:.2f} | {100 * r.overhead:.0f}% |"
         )
     return "\n".join(lines)
@@ -250,6 +318,7 @@ def plot(results: list[Result], path: Path, device: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [r for r in results if r.mode != "hf" and r.graphs == results[-1].graphs]
     scenarios = sorted({(r.batch_size, r.temperature) for r in results})
     labels = list(dict.fromkeys(r.label for r in results))
     fig, (speed_ax, split_ax) = plt.subplots(1, 2, figsize=(15, 5.5))
@@ -276,7 +345,7 @@ def plot(results: list[Result], path: Path, device: str) -> None:
         "build": lambda r: r.stage_ms["build"],
         "target forward": lambda r: r.stage_ms["target_forward"],
         "verify other": lambda r: r.stage_ms["verify"] - r.stage_ms["target_forward"],
-        "commit + schedule": lambda r: r.stage_ms["commit"] + r.stage_ms["schedule"],
+        "append + schedule": lambda r: r.stage_ms["append"] + r.stage_ms["schedule"],
     }
     bottom = [0.0] * len(first)
     for name, part in parts.items():
@@ -325,6 +394,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="CPU threads for torch (default 1: on a small shared machine more threads contend and "
         "slow small matmuls down by orders of magnitude)",
     )
+    parser.add_argument(
+        "--graphs",
+        default="auto",
+        choices=["auto", "on", "off", "both"],
+        help="CUDA graphs (off = enforce_eager); auto: both on CUDA, off on CPU (default %(default)s)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"), help="output folder")
     return parser.parse_args(argv)
 
@@ -335,40 +410,73 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    configs = [("ar", 1), ("chain", 1), *(("ddtree", b) for b in budgets)]
+    on_cuda = args.device.startswith("cuda")
+    graph_settings = {
+        "auto": [on_cuda, False][: 1 + on_cuda],
+        "on": [True],
+        "off": [False],
+        "both": [True, False],
+    }
     longest_prompt = 64
-    workers = Workers(args, max(batch_sizes), longest_prompt + args.max_tokens + max(budgets) + 16)
-    device = (
-        torch.cuda.get_device_name()
-        if args.device.startswith("cuda")
-        else f"cpu ({torch.get_num_threads()} threads)"
-    )
+    max_seq_len = longest_prompt + args.max_tokens + max(budgets) + 16
+    workers = {g: Workers(args, max(batch_sizes), max_seq_len, g) for g in graph_settings[args.graphs]}
+    hf = HFBaseline(target_dir(EngineConfig(target=args.target)), args.device, getattr(torch, args.dtype))
+    configs = [
+        (mode, budget, g)
+        for g in workers
+        for mode, budget in [("ar", 1), ("chain", 1), *(("ddtree", b) for b in budgets)]
+    ]
+    device = torch.cuda.get_device_name() if on_cuda else f"cpu ({torch.get_num_threads()} threads)"
+    tokenizer = next(iter(workers.values())).tokenizer
 
     results: list[Result] = []
+    greedy_checks: dict[str, str] = {}
     for batch_size in batch_sizes:
+        hf_totals = Totals()
+        batch_results: list[Result] = []
         for temperature in temperatures:
             totals = {config: Totals() for config in configs}
             for _ in range(args.rounds):
-                for mode, budget in configs:
-                    run_once(workers, mode, budget, batch_size, temperature, args, totals[(mode, budget)])
-            for (mode, budget), config_totals in totals.items():
-                result = summarize(mode, budget, batch_size, temperature, config_totals)
-                results.append(result)
+                if temperature == temperatures[0]:
+                    run_hf_once(hf, tokenizer, batch_size, args, hf_totals)
+                for mode, budget, g in configs:
+                    run_once(
+                        workers[g], mode, budget, batch_size, temperature, args, totals[(mode, budget, g)]
+                    )
+            for (mode, budget, g), config_totals in totals.items():
+                result = summarize(mode, budget, g, batch_size, temperature, config_totals)
+                batch_results.append(result)
                 print(
-                    f"batch {batch_size} T={temperature:g} {result.label:>10}: "
+                    f"batch {batch_size} T={temperature:g} {result.label:>10} {'graphs' if g else 'eager'}: "
                     f"{result.tokens_per_s:8.1f} tok/s tau {result.acceptance_length:5.2f} "
                     f"step {result.step_ms:6.2f} ms overhead {100 * result.overhead:3.0f}%",
                     flush=True,
                 )
+                if (mode, temperature) == ("ar", 0.0):
+                    same = sum(config_totals.token_ids[i] == t for i, t in hf_totals.token_ids.items())
+                    check = f"{same}/{len(hf_totals.token_ids)} prompts"
+                    greedy_checks[f"batch {batch_size}, graphs {'on' if g else 'off'}"] = check
+                    print(f"  ours ar (greedy) emits HF's greedy tokens on {check}", flush=True)
+        hf_result = summarize("hf", 0, False, batch_size, 0.0, hf_totals)
+        print(f"batch {batch_size} hf transformers: {hf_result.tokens_per_s:8.1f} tok/s", flush=True)
+        results += [hf_result, *batch_results]
     if args.profile:
-        profile_steps(workers, max(budgets), temperatures[0])
+        profile_steps(next(iter(workers.values())), max(budgets), temperatures[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results, device)
     print("\n" + table)
     (out / "speed.md").write_text(table + "\n")
     (out / "speed.json").write_text(
-        json.dumps({"device": device, "args": vars(args), "results": [asdict(r) for r in results]}, indent=1)
+        json.dumps(
+            {
+                "device": device,
+                "args": vars(args),
+                "hf_greedy_match": greedy_checks,
+                "results": [asdict(r) for r in results],
+            },
+            indent=1,
+        )
     )
     plot(results, out / "speed.png", device)
     print(f"\nwrote {out / 'speed.md'}, {out / 'speed.json'}, {out / 'speed.png'}")

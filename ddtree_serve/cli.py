@@ -75,6 +75,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="(default: %(default)s)",
     )
+    model.add_argument(
+        "--enforce-eager", action="store_true", help="run every forward eagerly (no CUDA graphs)"
+    )
     spec = parser.add_argument_group("speculation")
     spec.add_argument(
         "--mode",
@@ -132,6 +135,7 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             mode=args.mode,
             budget=args.budget,
             max_num_seqs=1,
+            enforce_eager=args.enforce_eager,
         )
         params = SamplingParams(
             max_tokens=args.max_tokens,

@@ -66,7 +66,12 @@ class EngineConfig(BaseModel):
         description="Sampling verification backend; 'auto' picks triton on CUDA when importable, else torch.",
     )
     record_timings: bool = Field(
-        default=False, description="Record per-stage step times (draft/build/verify/commit)."
+        default=False, description="Record per-stage step times (draft/build/verify/append)."
+    )
+    enforce_eager: bool = Field(
+        default=False,
+        description="Run every forward eagerly, without CUDA graphs (vLLM's name; for debugging). "
+        "On CUDA the verify and draft forwards replay CUDA graphs otherwise; a CPU is always eager.",
     )
     default_max_tokens: int = Field(default=128, ge=1, description="max_tokens when a request sets none.")
     default_temperature: float = Field(default=0.0, ge=0.0, description="Temperature when unset; 0 = greedy.")
@@ -116,7 +121,6 @@ class EngineConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_seq_len=self.max_seq_len,
             max_queue_len=self.max_queue_len,
-            verify_backend=self.verify_backend,
             record_timings=self.record_timings,
         )
 

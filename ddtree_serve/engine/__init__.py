@@ -10,10 +10,13 @@ from ddtree_serve.engine.interfaces import (
     ContextHandle,
     ContextSlice,
     Drafter,
+    DraftInput,
     DraftOutput,
+    PrefillInput,
     PrefillOutput,
     SamplingBatch,
     Target,
+    VerifyInput,
     VerifyOutput,
 )
 from ddtree_serve.engine.llm import LLM
@@ -32,10 +35,12 @@ __all__ = [
     "ContextHandle",
     "ContextSlice",
     "Detokenizer",
+    "DraftInput",
     "DraftOutput",
     "Drafter",
     "EngineDeadError",
     "EngineSettings",
+    "PrefillInput",
     "PrefillOutput",
     "QueueFullError",
     "RequestOutput",
@@ -45,5 +50,6 @@ __all__ = [
     "SpecEngine",
     "SpecMode",
     "Target",
+    "VerifyInput",
     "VerifyOutput",
 ]

@@ -1,22 +1,24 @@
 """The seam between `SpecEngine` and the models: the `Drafter` and `Target` protocols.
 
 The engine never touches a model directly. It calls these two protocols once per step with
-the whole running batch, so the same loop runs in one process (`engine/local.py` wraps the
-model runners) and over Ray (the serving layer's actor proxies add transport, not logic).
+the whole running batch, so the same loop runs in one process (`TargetStep` / `DraftStep`
+called directly) and over Ray (the serving layer's actor proxies add transport, not logic).
+Each call takes one input dataclass and returns one output dataclass, so a transport moves
+the pair as a whole.
 
 What crosses the seam is small: the drafter returns top-K log-probs and ids rather than
 full logits; the target receives the tree batch, per-request sampling tensors and coins,
 and returns accepted node indices and one bonus token per request. The one large payload,
 the target's context features of the newly committed tokens, travels as an opaque
-`ContextHandle`: the engine forwards it from `Target.verify`/`Target.prefill` to the next
+`ContextHandle`: the engine forwards it from `Target.verify_and_commit`/`Target.prefill` to the next
 `Drafter.draft` without looking inside. In process it is a list of tensors; over Ray it is
 an `ObjectRef` that the coordinator never pulls.
 
 Per step, for the running requests in slots `slots` (batch order fixed by the engine):
 
-    draft   = drafter.draft(slots, bonus_tokens, contexts, top_k)   # not in mode "ar"
+    draft   = drafter.draft(DraftInput(slots, bonus_tokens, contexts, top_k))  # not in mode "ar"
     trees   = build_ddtree / build_chain on draft.logp, draft.ids  (engine, host side)
-    verdict = target.verify(slots, build_verify_batch(trees), sampling, coins, coin_final)
+    verdict = target.verify_and_commit(VerifyInput(slots, build_verify_batch(trees), ...))
     # verdict.context -> ContextSlice(verdict.context, i) is request i's next drafter context
 
 All tensors returned across the seam are on the CPU (the engine does host-side bookkeeping on
@@ -35,7 +37,8 @@ if TYPE_CHECKING:
 ContextHandle = Any
 """Opaque per-call holder of context features, one entry per request of the producing call.
 
-Produced by `Target.prefill` (entry i: the prompt's features, `[T_i, F]`) and `Target.verify`
+Produced by `Target.prefill` (entry i: the prompt's features, `[T_i, F]`) and
+`Target.verify_and_commit`
 (entry i: features of the root and accepted nodes, `[1 + accept_len_i, F]`). Only the
 `Drafter` that consumes it may look inside."""
 
@@ -67,11 +70,36 @@ class SamplingBatch:
 
 
 @dataclass(frozen=True)
+class PrefillInput:
+    """Prompts to cache in their (empty) slots, and how to sample each one's first token."""
+
+    slots: Sequence[int]  # [B]; row i of every tensor below is slot slots[i]
+    prompts: Sequence[Sequence[int]]  # [B][T_i] token ids
+    sampling: SamplingBatch
+    # [B] float32 uniform draws in [0, 1), for inverse-CDF sampling of the first token;
+    # None when `sampling.all_greedy`
+    coins: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class PrefillOutput:
     """Result of caching prompts: the first generated token of each and the prompt features."""
 
     first_tokens: torch.Tensor  # [B] int64, CPU; sampled from the last prompt position
+    num_cached_tokens: tuple[int, ...]  # [B] the slots' cache lengths after the prefill
     context: ContextHandle  # entry i: features of prompt i's tokens, for the drafter
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """One draft call: each slot's new context and bonus token, and how many ranks to return."""
+
+    slots: Sequence[int]  # [B]
+    bonus_tokens: torch.Tensor  # [B] int64, CPU; the newest token of each request (not cached)
+    # contexts[i]: features of the tokens committed to slot i since its last draft (the prompt,
+    # on a request's first draft)
+    contexts: Sequence[ContextSlice]
+    top_k: int  # K of the returned `DraftOutput` (1 for a chain, min(budget, vocab) for DDTree)
 
 
 @dataclass(frozen=True)
@@ -80,6 +108,23 @@ class DraftOutput:
 
     logp: torch.Tensor  # [B, L, K] float32, CPU; log-probs over the full vocab, descending in K
     ids: torch.Tensor  # [B, L, K] int64, CPU; token id of each (position, rank)
+    # [B] context tokens each slot holds after taking its new context; the engine checks that
+    # they equal the target's cached tokens (the drafter sees exactly the committed text)
+    num_context_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    """One tree per slot to verify on top of its cache, with the coins of the sampling walk."""
+
+    slots: Sequence[int]  # [B]; each tree's root sits at the slot's current cache length
+    batch: "VerifyBatch"  # rows follow `slots`
+    sampling: SamplingBatch
+    # coins [B, N] and coin_final [B]: float32 uniform draws in [0, 1) for the sampling
+    # verification; None when `sampling.all_greedy`
+    coins: torch.Tensor | None
+    coin_final: torch.Tensor | None
+    return_context: bool  # False when no drafter needs the accepted features (mode "ar")
 
 
 @dataclass(frozen=True)
@@ -93,6 +138,7 @@ class VerifyOutput:
     accept_index: torch.Tensor  # [B, D+1] int64, CPU; local node indices, root first, -1 padded
     accept_len: torch.Tensor  # [B] int64, CPU; accepted draft nodes, root excluded
     bonus_token: torch.Tensor  # [B] int64, CPU; next root, not yet in the target's cache
+    num_cached_tokens: tuple[int, ...]  # [B] the slots' cache lengths after the commit
     context: ContextHandle | None  # entry i: features of root + accepted nodes of request i
 
 
@@ -116,35 +162,15 @@ class Target(Protocol):
         """Positions a slot can hold; the engine keeps prompt + output + tree within it."""
         ...
 
-    def prefill(
-        self,
-        slots: Sequence[int],
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-    ) -> PrefillOutput:
-        """Cache each prompt in its (empty) slot and sample its first token.
-
-        `coins`: `[B]` float32 uniform draws in [0, 1), one per request, used for inverse-CDF
-        sampling of the first token; None when `sampling.all_greedy`.
-        """
+    def prefill(self, inputs: PrefillInput) -> PrefillOutput:
+        """Cache each prompt in its (empty) slot and sample its first token."""
         ...
 
-    def verify(
-        self,
-        slots: Sequence[int],
-        batch: "VerifyBatch",
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-        coin_final: torch.Tensor | None,
-        return_context: bool,
-    ) -> VerifyOutput:
+    def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
         """Run one forward pass over each slot's tree, verify it, and commit the accepted path.
 
-        `batch` rows follow `slots`; each tree's root sits at the slot's current length.
-        `coins [B, N]`, `coin_final [B]`: float32 uniform draws in [0, 1) for the sampling
-        verification (None when `sampling.all_greedy`). After the call the slot holds the
-        root and the accepted nodes, contiguous; the bonus token is not cached.
+        After the call the slot holds the root and the accepted nodes, contiguous; the bonus
+        token is not cached.
         """
         ...
 
@@ -162,19 +188,8 @@ class Drafter(Protocol):
         """Positions per draft block; a draft proposes `block_size - 1` tokens after the bonus."""
         ...
 
-    def draft(
-        self,
-        slots: Sequence[int],
-        bonus_tokens: torch.Tensor,
-        contexts: Sequence[ContextSlice],
-        top_k: int,
-    ) -> DraftOutput:
-        """Append each slot's new context, then propose the next block after its bonus token.
-
-        `bonus_tokens [B]` int64 CPU. `contexts[i]` points at the features of the tokens
-        committed to slot i since its last draft (the prompt, on a request's first draft).
-        `top_k` = K of the returned `DraftOutput` (1 for a chain, min(budget, vocab) for DDTree).
-        """
+    def draft(self, inputs: DraftInput) -> DraftOutput:
+        """Append each slot's new context, then propose the next block after its bonus token."""
         ...
 
     def release(self, slot: int) -> None:

@@ -31,7 +31,9 @@ class LLM:
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         max_num_seqs: int = 8,
         max_seq_len: int = 2048,
+        enforce_eager: bool = False,
     ) -> None:
+        """`enforce_eager`: no CUDA graphs (see `EngineConfig`)."""
         config = EngineConfig(
             target=target,
             drafter=drafter,
@@ -41,6 +43,7 @@ class LLM:
             dtype=dtype,
             max_num_seqs=max_num_seqs,
             max_seq_len=max_seq_len,
+            enforce_eager=enforce_eager,
         )
         self._init_from(config, build_local_engine(config))
 

@@ -1,12 +1,17 @@
 """One generation request: its tokens, slot, sampling state and the outputs it produces."""
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ddtree_serve.engine.interfaces import ContextSlice
 from ddtree_serve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ddtree_serve.engine.stop import StopStringScan
 
 
 class RequestStatus(enum.Enum):
@@ -35,19 +40,31 @@ class RequestStats:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A snapshot of one request after a step: cumulative token ids, what is new, whether done.
+    """A snapshot of one request after a step: its generated tokens, what is new, whether done.
 
+    The snapshot shares the request's append-only token list instead of copying it, so taking
+    one costs the same at token 4,000 as at token 4; `num_tokens` bounds what it sees.
     Text is not decoded here (the engine decodes only for stop strings); `Detokenizer` turns
     these into text for callers that want it.
     """
 
     request_id: str
-    token_ids: tuple[int, ...]  # every generated token so far, stop token excluded
-    num_new_tokens: int  # how many of `token_ids` are new since the previous output
+    generated_token_ids: Sequence[int] = field(repr=False, compare=False)  # read via the methods below
+    num_tokens: int  # tokens generated so far, stop token excluded
+    num_new_tokens: int  # how many of those are new since the previous output
     finished: bool
     finish_reason: str | None  # "stop" (EOS, stop token or string), "length", "abort"
-    stop_text_offset: int | None  # decoded text ends here (a stop string starts at it)
+    stop_text_offset: int | None  # decoded text ends here (a stop string starts at it); finished only
     stats: RequestStats
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every generated token so far (a copy; streaming callers read `token_ids_from`)."""
+        return tuple(self.generated_token_ids[: self.num_tokens])
+
+    def token_ids_from(self, start: int) -> list[int]:
+        """Tokens `start` onwards: what a caller that has seen `start` tokens is missing."""
+        return list(self.generated_token_ids[start : self.num_tokens])
 
 
 class Request:
@@ -59,7 +76,10 @@ class Request:
         self.params = params
         self.status = RequestStatus.WAITING
         self.slot: int | None = None
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = []  # append-only: outputs share it
+        # Tokens in the slot's target cache, as prefill and commit report them; the drafter's
+        # context must hold as many when it drafts (the newest token is never cached).
+        self.num_cached_tokens = 0
         self.num_emitted_tokens = 0  # outputs already reported to the caller
         # The newest sampled token: root of the next tree, not yet in the target's cache.
         self.bonus_token: int | None = None
@@ -67,6 +87,7 @@ class Request:
         self.pending_context: ContextSlice | None = None
         self.finish_reason: str | None = None
         self.stop_text_offset: int | None = None
+        self.stop_scan: StopStringScan | None = None  # the stop checker's, if params.stop is set
         self.steps = 0
         self.num_step_tokens = 0  # tokens produced by verify steps, before stop truncation
         self.generator = torch.Generator()
@@ -96,12 +117,14 @@ class Request:
         )
 
     def take_output(self) -> RequestOutput:
-        """The current snapshot; marks its tokens as reported."""
-        num_new = len(self.output_token_ids) - self.num_emitted_tokens
-        self.num_emitted_tokens = len(self.output_token_ids)
+        """The current snapshot; marks its tokens as reported. O(1): no tokens are copied."""
+        num_tokens = len(self.output_token_ids)
+        num_new = num_tokens - self.num_emitted_tokens
+        self.num_emitted_tokens = num_tokens
         return RequestOutput(
             request_id=self.request_id,
-            token_ids=tuple(self.output_token_ids),
+            generated_token_ids=self.output_token_ids,
+            num_tokens=num_tokens,
             num_new_tokens=num_new,
             finished=self.finished,
             finish_reason=self.finish_reason,

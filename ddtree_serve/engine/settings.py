@@ -21,5 +21,4 @@ class EngineSettings:
     max_num_batched_tokens: int = 4096
     max_seq_len: int = 2048
     max_queue_len: int = 1024
-    verify_backend: str = "torch"
     record_timings: bool = False

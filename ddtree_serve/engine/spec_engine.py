@@ -1,8 +1,9 @@
 """`SpecEngine`: the speculative decoding step loop over a `Drafter` and a `Target`.
 
-One step, for every running request at once:
-    schedule -> prefill newcomers -> draft -> build trees -> verify (+ target commit)
-    -> commit (append tokens, check stops) -> postprocess (free finished slots, outputs)
+One step, for every running request at once, in the stages of `STEP_STAGES`:
+    schedule -> prefill newcomers -> draft -> build trees -> verify (the target walks the
+    trees and commits the accepted KV) -> append (accepted tokens to the requests, check stops)
+    -> postprocess (free finished slots, outputs)
 Mode "ar" skips the drafter: each tree is its root alone, verified through the same path, so
 one loop serves plain decoding, chains and DDTrees.
 """
@@ -16,9 +17,12 @@ from tokenizers import Tokenizer
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
     Drafter,
+    DraftInput,
     DraftOutput,
+    PrefillInput,
     SamplingBatch,
     Target,
+    VerifyInput,
     VerifyOutput,
 )
 from ddtree_serve.engine.request import Request, RequestOutput
@@ -26,7 +30,7 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.scheduler import ScheduledStep, Scheduler
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.stop import StopChecker
-from ddtree_serve.engine.timing import StageTimer
+from ddtree_serve.engine.timing import Stage, StageTimer
 from ddtree_serve.tree import DraftTree, VerifyBatch, build_chain, build_ddtree, build_verify_batch
 
 
@@ -114,32 +118,32 @@ class SpecEngine:
 
     def step(self) -> list[RequestOutput]:
         """Advance every running request by one verify step; return their new outputs."""
-        with self.timer.stage("schedule"):
+        with self.timer.stage(Stage.SCHEDULE):
             scheduled = self.scheduler.schedule()
         if scheduled.prefills:
-            with self.timer.stage("prefill"):
+            with self.timer.stage(Stage.PREFILL):
                 self._prefill(scheduled.prefills)
         running = [r for r in scheduled.running if not r.finished]  # some stop at their first token
         if running:
-            with self.timer.stage("draft"):
+            with self.timer.stage(Stage.DRAFT):
                 draft = self._draft(running)
-            with self.timer.stage("build"):
+            with self.timer.stage(Stage.BUILD):
                 trees, batch = self._build(running, draft)
-            with self.timer.stage("verify"):
+            with self.timer.stage(Stage.VERIFY):
                 verdict = self._verify(running, batch)
-            with self.timer.stage("commit"):
-                self._commit(running, trees, verdict)
+            with self.timer.stage(Stage.APPEND):
+                self._append(running, trees, verdict)
         return self._postprocess(scheduled)
 
     def _prefill(self, requests: list[Request]) -> None:
         """Cache the newcomers' prompts, take their first token and their drafter context."""
         sampling = _sampling_batch([r.params for r in requests], self.vocab_size)
         coins = None if sampling.all_greedy else torch.stack([_uniforms(r, 1)[0] for r in requests])
-        output = self.target.prefill(
-            [_slot(r) for r in requests], [r.prompt_token_ids for r in requests], sampling, coins
-        )
+        slots, prompts = [_slot(r) for r in requests], [r.prompt_token_ids for r in requests]
+        output = self.target.prefill(PrefillInput(slots, prompts, sampling, coins))
         first_tokens = output.first_tokens.tolist()
         for i, request in enumerate(requests):
+            request.num_cached_tokens = output.num_cached_tokens[i]
             request.bonus_token = first_tokens[i]
             request.pending_context = ContextSlice(output.context, i)
             self.stop_checker.append(request, [first_tokens[i]], self._max_output_tokens(request))
@@ -152,9 +156,10 @@ class SpecEngine:
         contexts = [r.pending_context for r in requests]
         assert all(c is not None for c in contexts), "every running request has undrafted context"
         bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
-        draft = self.drafter.draft([_slot(r) for r in requests], bonus_tokens, contexts, top_k)
+        draft = self.drafter.draft(DraftInput([_slot(r) for r in requests], bonus_tokens, contexts, top_k))
         for request in requests:
             request.pending_context = None
+        _check_positions(requests, draft.num_context_tokens)
         return draft
 
     def _build(
@@ -184,7 +189,7 @@ class SpecEngine:
             # Per request: one coin per real node then the final coin, all from its generator,
             # so a seeded request draws the same coins whatever batch it runs in.
             num_nodes = batch.num_nodes.tolist()
-            coins = torch.zeros(batch.batch_size, batch.num_slots, dtype=torch.float32)
+            coins = torch.zeros(batch.batch_size, batch.padded_num_nodes, dtype=torch.float32)
             coin_final = torch.zeros(batch.batch_size, dtype=torch.float32)
             for i, request in enumerate(requests):
                 if request.params.greedy:
@@ -192,21 +197,24 @@ class SpecEngine:
                 draws = _uniforms(request, num_nodes[i] + 1)
                 coins[i, : num_nodes[i]] = draws[:-1]
                 coin_final[i] = draws[-1]
-        return self.target.verify(
-            [_slot(r) for r in requests],
-            batch,
-            sampling,
-            coins,
-            coin_final,
-            return_context=self.drafter is not None,
+        return self.target.verify_and_commit(
+            VerifyInput(
+                [_slot(r) for r in requests],
+                batch,
+                sampling,
+                coins,
+                coin_final,
+                return_context=self.drafter is not None,
+            )
         )
 
-    def _commit(self, requests: list[Request], trees: list[DraftTree], verdict: VerifyOutput) -> None:
+    def _append(self, requests: list[Request], trees: list[DraftTree], verdict: VerifyOutput) -> None:
         """Append each request's accepted tokens and bonus; stops drop what follows them."""
         accept_index = verdict.accept_index.tolist()
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
         for i, request in enumerate(requests):
+            request.num_cached_tokens = verdict.num_cached_tokens[i]
             accepted_nodes = accept_index[i][1 : 1 + accept_len[i]]
             new_tokens = [*trees[i].token_ids[accepted_nodes].tolist(), bonus_tokens[i]]
             request.steps += 1
@@ -281,6 +289,20 @@ def _sampling_batch(params: list[SamplingParams], vocab_size: int) -> SamplingBa
 def _uniforms(request: Request, n: int) -> torch.Tensor:
     """`n` float32 draws in [0, 1) from the request's own generator: [n]."""
     return torch.rand(n, generator=request.generator, dtype=torch.float32)
+
+
+def _check_positions(requests: list[Request], num_context_tokens: Sequence[int]) -> None:
+    """The drafter drafts from exactly the text in the target's cache, for every request.
+
+    Both counts come from their owners (the drafter's and the target's caches), so a lost or
+    doubled context append shows here, at the step it happens, not as silently worse drafts.
+    """
+    num_cached_tokens = [r.num_cached_tokens for r in requests]
+    if list(num_context_tokens) != num_cached_tokens:
+        raise RuntimeError(
+            f"drafter context lengths {list(num_context_tokens)} differ from the target's cached "
+            f"lengths {num_cached_tokens}"
+        )
 
 
 def _slot(request: Request) -> int:

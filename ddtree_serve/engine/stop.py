@@ -8,7 +8,35 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
+from ddtree_serve.engine.detokenize import IncrementalDecoder
 from ddtree_serve.engine.request import Request
+
+
+class StopStringScan:
+    """Where a request's stop strings could still match: the text's tail, decoded as it grows.
+
+    A match that was not there before the newest token must reach past the text confirmed
+    before it, so only the last `longest_stop - 1` confirmed characters and the unconfirmed
+    text need searching; the rest of the output is never decoded again.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.stop = stop
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.max_overlap = max(len(s) for s in stop) - 1  # chars a new match may share with old text
+        self.confirmed_tail = ""  # the last `max_overlap` confirmed characters
+        self.num_confirmed_chars = 0
+
+    def append(self, token: int) -> int | None:
+        """Add the newest token; the offset in the whole text of the earliest match, if any."""
+        tail_start = self.num_confirmed_chars - len(self.confirmed_tail)
+        confirmed = self.decoder.extend([token])
+        text = self.confirmed_tail + confirmed + self.decoder.pending_text  # the text from tail_start
+        offsets = [i for s in self.stop if (i := text.find(s)) >= 0]
+        self.num_confirmed_chars += len(confirmed)
+        searched = self.confirmed_tail + confirmed
+        self.confirmed_tail = searched[-self.max_overlap :] if self.max_overlap else ""
+        return tail_start + min(offsets) if offsets else None
 
 
 class StopChecker:
@@ -31,23 +59,22 @@ class StopChecker:
                 request.finish("stop")
                 return
             request.output_token_ids.append(token)
-            if params.stop and self._match_stop_string(request):
+            if params.stop and self._match_stop_string(request, token):
                 request.finish("stop")
                 return
             if len(request.output_token_ids) >= max_output_tokens:
                 request.finish("length")
                 return
 
-    def _match_stop_string(self, request: Request) -> bool:
+    def _match_stop_string(self, request: Request, token: int) -> bool:
         """Whether the text so far contains a stop string; if so record where the text ends.
 
         Checked after every token, so the first time any match exists it is the earliest one.
-        Decoding the whole output each time keeps partial UTF-8 sequences exact; outputs are
-        short enough that this is not worth an incremental decoder.
         """
-        text = self.tokenizer.decode(request.output_token_ids)
-        offsets = [i for s in request.params.stop if (i := text.find(s)) >= 0]
-        if not offsets:
+        if request.stop_scan is None:
+            request.stop_scan = StopStringScan(self.tokenizer, request.params.stop)
+        offset = request.stop_scan.append(token)
+        if offset is None:
             return False
-        request.stop_text_offset = min(offsets)
+        request.stop_text_offset = offset
         return True

@@ -4,12 +4,30 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 
-STEP_STAGES = ("schedule", "prefill", "draft", "build", "verify", "commit")
-"""Engine stages in pipeline order; timing, logs and the benchmark share these names."""
 
-MODEL_STAGES = ("draft_forward", "target_forward")
-"""The two forward passes, timed inside the in-process workers (nested in draft / verify)."""
+class Stage(StrEnum):
+    """Names of the timed stages; the step, timings, metrics, spans and benchmarks share them.
+
+    A member is a `str` equal to its value, so timings keyed by it read as plain names.
+    """
+
+    SCHEDULE = "schedule"  # pick the running batch, admit newcomers
+    PREFILL = "prefill"  # cache the newcomers' prompts, sample their first token
+    DRAFT = "draft"  # the drafter's call: append new context, propose a block
+    BUILD = "build"  # host side: trees and the padded verify batch
+    VERIFY = "verify"  # the target's call: forward, walk, commit KV, gather features
+    APPEND = "append"  # append accepted tokens to the requests, check stops
+    DRAFT_FORWARD = "draft_forward"  # the drafter's forward pass (inside DRAFT)
+    TARGET_FORWARD = "target_forward"  # the target's verify forward pass (inside VERIFY)
+
+
+STEP_STAGES = (Stage.SCHEDULE, Stage.PREFILL, Stage.DRAFT, Stage.BUILD, Stage.VERIFY, Stage.APPEND)
+"""Engine stages in pipeline order (`SpecEngine.step`)."""
+
+MODEL_STAGES = (Stage.DRAFT_FORWARD, Stage.TARGET_FORWARD)
+"""The two forward passes, timed inside the draft and target steps (nested in draft / verify)."""
 
 
 class StageTimer:
@@ -26,7 +44,7 @@ class StageTimer:
         self.counts: dict[str, int] = defaultdict(int)
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: Stage) -> Iterator[None]:
         if not self.enabled:
             yield
             return

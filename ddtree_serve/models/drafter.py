@@ -5,15 +5,18 @@ A slot's context is the target features of every token in the target's cache, in
 tokens committed since the last call (their K/V per drafter layer, computed once), then runs
 the block `[bonus, MASK x L]` at positions `len .. len + L` against the whole context. The
 block's own K/V are never stored: drafting twice from the same context gives the same logits.
+
+On CUDA both forwards replay CUDA graphs per bucket (`drafter_graphs`); `enforce_eager` keeps
+them eager.
 """
 
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
+from ddtree_serve.models.drafter_graphs import DrafterGraphs, append_context_forward, draft_block_forward
 from ddtree_serve.models.kv_cache import SlotIndex, SlotKVCache
 from ddtree_serve.models.layers import avoid_per_shape_attention_plans
 from ddtree_serve.models.loading import load_draft_model, load_embedding_and_head
@@ -30,8 +33,12 @@ class DFlashDrafter:
         *,
         num_slots: int,
         max_seq_len: int,
+        enforce_eager: bool = False,
     ) -> None:
-        """`embed_weight`, `head_weight`: the target's `[V, H]` token embedding and LM head."""
+        """`embed_weight`, `head_weight`: the target's `[V, H]` token embedding and LM head.
+
+        `enforce_eager`: no CUDA graphs (they are used on CUDA otherwise).
+        """
         first = next(model.parameters())
         self.model = model
         self.config: DFlashConfig = model.config
@@ -45,6 +52,7 @@ class DFlashDrafter:
         self.device = first.device
         self.dtype = first.dtype
         avoid_per_shape_attention_plans(self.device)
+        use_graphs = self.device.type == "cuda" and not enforce_eager
         self.cache = SlotKVCache(
             num_layers=decoder.num_hidden_layers,
             num_slots=num_slots,
@@ -53,7 +61,13 @@ class DFlashDrafter:
             head_dim=decoder.head_dim,
             dtype=self.dtype,
             device=self.device,
+            scratch_slots=1 if use_graphs else 0,
         )
+        self.graphs = None
+        if use_graphs:
+            self.graphs = DrafterGraphs(
+                model, self.cache, embed_weight, head_weight, scratch_slot=num_slots, capture=True
+            )
 
     @classmethod
     def from_pretrained(
@@ -65,11 +79,14 @@ class DFlashDrafter:
         max_seq_len: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        enforce_eager: bool = False,
     ) -> "DFlashDrafter":
         """Load the drafter's weights and borrow only the embedding and LM head of the target."""
         model = load_draft_model(drafter_path, dtype=dtype, device=device)
         embed, head = load_embedding_and_head(target_path, dtype=dtype, device=device)
-        return cls(model, embed, head, num_slots=num_slots, max_seq_len=max_seq_len)
+        return cls(
+            model, embed, head, num_slots=num_slots, max_seq_len=max_seq_len, enforce_eager=enforce_eager
+        )
 
     @property
     def block_size(self) -> int:
@@ -93,7 +110,7 @@ class DFlashDrafter:
 
     def context_len(self, slot: int) -> int:
         """Context tokens cached for the slot (equals the target's `seq_len` between steps)."""
-        return self.cache.lengths[slot]
+        return self.cache.length(slot)
 
     def release(self, slot: int) -> None:
         self.cache.release(slot)
@@ -105,20 +122,15 @@ class DFlashDrafter:
         if sum(counts) == 0:
             return
         self.cache.check_room(slots, counts)
-        device = self.device
-        features = torch.cat([f.to(device=device, dtype=self.dtype) for f in new_context_features])  # [M, F]
         starts = self.cache.slot_lengths(slots)
-        slot_rows = torch.repeat_interleave(
-            torch.tensor(list(slots), device=device), torch.tensor(counts, device=device)
-        )  # [M]
-        positions = torch.cat(
-            [torch.arange(s, s + n, device=device) for s, n in zip(starts, counts, strict=True)]
-        )
-        context_kv = self.model.context_key_values(features[None], positions[None])  # per layer [1, M, kv, d]
-        for layer, (keys, values) in enumerate(context_kv):
-            self.cache.write(layer, slot_rows, positions, keys[0], values[0])
-        for slot, n in zip(slots, counts, strict=True):
-            self.cache.lengths[slot] += n
+        slot_rows = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(counts))  # [M] host
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+        if self.graphs is None or not self.graphs.append_context(new_context_features, slot_rows, positions):
+            device = self.device
+            features = torch.cat([f.to(device=device, dtype=self.dtype) for f in new_context_features])
+            slot_rows, positions = slot_rows.to(device), positions.to(device)
+            append_context_forward(self.model, self.cache, features, slot_rows, positions)
+        self.cache.append(slots, counts)
 
     @torch.inference_mode()
     def draft(
@@ -131,22 +143,21 @@ class DFlashDrafter:
 
         `bonus_tokens [B]`; `new_context_features[b] [n_b, F]`: target features of the tokens
         committed to slot b since its last draft. Logits are in the model dtype, L = block_size - 1.
+        From a CUDA graph the logits are a view of its static output, valid until the next draft.
         """
         self.append_context(slots, new_context_features)
-        device = self.device
-        batch_size, block_size = len(slots), self.block_size
         context_lens = self.cache.slot_lengths(slots)
-        num_context = max(context_lens)
-        block_ids = torch.full((batch_size, block_size), self.mask_token_id, dtype=torch.int64, device=device)
-        block_ids[:, 0] = bonus_tokens.to(device)
-        noise_embeds = F.embedding(block_ids, self.embed_weight) * self.config.input_embedding_scale
-        lens_t = torch.tensor(context_lens, dtype=torch.int64, device=device)[:, None]  # [B, 1]
-        positions = lens_t + torch.arange(block_size, device=device)  # [B, block]
-        # columns: context rows < len_b (longest context in the batch sets the width), then the block
-        context_visible = torch.arange(num_context, device=device) < lens_t  # [B, C]
-        block_visible = torch.ones(batch_size, block_size, dtype=torch.bool, device=device)
-        mask = torch.cat([context_visible, block_visible], dim=1)[:, None, :].expand(-1, block_size, -1)
-        index = SlotIndex(slots, device)
-        context_kv = [self.cache.read(layer, index, num_context) for layer in range(len(self.model.layers))]
-        hidden = self.model.forward_with_context_kv(noise_embeds, positions, mask, context_kv)
-        return F.linear(hidden[:, 1:], self.head_weight)
+        graphed = None if self.graphs is None else self.graphs.draft(slots, bonus_tokens, context_lens)
+        if graphed is not None:
+            return graphed
+        device = self.device
+        return draft_block_forward(
+            self.model,
+            self.cache,
+            self.embed_weight,
+            self.head_weight,
+            bonus_tokens.to(device),
+            torch.tensor(context_lens, dtype=torch.int64, device=device),
+            SlotIndex(slots, device),
+            max(context_lens),
+        )

@@ -2,9 +2,12 @@
 
 Layout: `keys` `[layers, slots, max_seq_len, kv_heads, head_dim]` and `values` the same with
 `value_head_dim` last (equal to `head_dim` except for MLA's decompressed K/V); slot s holds
-`lengths[s]` committed entries at rows `[0, lengths[s])`. Rows past the length are scratch:
+`length(s)` committed entries at rows `[0, length(s))`. Rows past the length are scratch:
 a tree verification writes its nodes there, and `compact` moves the accepted ones down.
-Lengths live on the host (a Python list) so bookkeeping never waits on the device.
+Optional scratch slots after the request slots (`scratch_slots`) hold no request: a CUDA graph
+padded to a larger batch sends its padding rows' writes there.
+Lengths live on the host (a Python list) so bookkeeping never waits on the device; this class
+is their only writer (`append`, `compact`, `release`), and each write returns the new lengths.
 """
 
 from collections.abc import Sequence
@@ -36,32 +39,47 @@ class SlotKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         value_head_dim: int | None = None,
+        scratch_slots: int = 0,
     ) -> None:
-        """`value_head_dim`: size of a value head when it differs from a key head (None: `head_dim`)."""
-        shape = (num_layers, num_slots, max_seq_len, num_kv_heads)
+        """`value_head_dim`: size of a value head when it differs from a key head (None: `head_dim`).
+
+        `scratch_slots`: extra slots past the last request slot (indices `num_slots ..`), never
+        handed to a request; their rows take writes that nothing reads back.
+        """
+        shape = (num_layers, num_slots + scratch_slots, max_seq_len, num_kv_heads)
         self.keys = torch.zeros((*shape, head_dim), dtype=dtype, device=device)
         self.values = torch.zeros((*shape, value_head_dim or head_dim), dtype=dtype, device=device)
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
-        self.lengths = [0] * num_slots
+        self._lengths = [0] * num_slots
 
     @property
     def device(self) -> torch.device:
         return self.keys.device
 
     def release(self, slot: int) -> None:
-        self.lengths[slot] = 0
+        self._lengths[slot] = 0
+
+    def length(self, slot: int) -> int:
+        """Committed entries of the slot."""
+        return self._lengths[slot]
 
     def slot_lengths(self, slots: Sequence[int]) -> list[int]:
-        return [self.lengths[s] for s in slots]
+        return [self._lengths[s] for s in slots]
+
+    def append(self, slots: Sequence[int], counts: Sequence[int]) -> list[int]:
+        """Commit the `counts[b]` rows just written after each slot's length -> the new lengths."""
+        for slot, count in zip(slots, counts, strict=True):
+            self._lengths[slot] += count
+        return self.slot_lengths(slots)
 
     def check_room(self, slots: Sequence[int], extra: Sequence[int] | int) -> None:
         """Raise if writing `extra` rows past any slot's length would overflow `max_seq_len`."""
         extras = [extra] * len(slots) if isinstance(extra, int) else list(extra)
         for slot, more in zip(slots, extras, strict=True):
-            if self.lengths[slot] + more > self.max_seq_len:
+            if self._lengths[slot] + more > self.max_seq_len:
                 raise ValueError(
-                    f"slot {slot}: {self.lengths[slot]} cached + {more} new rows exceed "
+                    f"slot {slot}: {self._lengths[slot]} cached + {more} new rows exceed "
                     f"max_seq_len {self.max_seq_len}"
                 )
 
@@ -101,9 +119,7 @@ class SlotKVCache:
         moved_values = self.values[:, rows, src]
         self.keys[:, rows, dst] = moved_keys
         self.values[:, rows, dst] = moved_values
-        for slot, more in zip(slots, num_kept, strict=True):
-            self.lengths[slot] += more
-        return self.slot_lengths(slots)
+        return self.append(slots, num_kept)
 
 
 class SlotIndex:
@@ -113,13 +129,25 @@ class SlotIndex:
     """
 
     def __init__(self, slots: Sequence[int], device: torch.device) -> None:
-        self.slots = list(slots)
-        first = self.slots[0]
-        if self.slots == list(range(first, first + len(self.slots))):
-            self.index: slice | torch.Tensor = slice(first, first + len(self.slots))
+        slot_list = list(slots)
+        first = slot_list[0]
+        if slot_list == list(range(first, first + len(slot_list))):
+            self.index: slice | torch.Tensor = slice(first, first + len(slot_list))
         else:
-            self.index = torch.tensor(self.slots, dtype=torch.int64, device=device)
-        self.rows = torch.tensor(self.slots, dtype=torch.int64, device=device)  # [B]
+            self.index = torch.tensor(slot_list, dtype=torch.int64, device=device)
+        self.rows = torch.tensor(slot_list, dtype=torch.int64, device=device)  # [B]
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor) -> "SlotIndex":
+        """Slots given as a device tensor `[B]` (a CUDA graph's static input): always a gather.
+
+        Nothing here reads the tensor on the host, so a graph can capture what uses it and
+        replay it with other slots written into `rows`.
+        """
+        index = cls.__new__(cls)
+        index.index = rows
+        index.rows = rows
+        return index
 
 
 class CacheWriter:

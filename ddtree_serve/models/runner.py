@@ -5,7 +5,11 @@ token (the bonus) is not cached. `verify` places a tree's root at `start = seq_l
 node i at position `start + depth[i]`, and writes every node's K/V into scratch rows
 `start + i`; `commit` keeps the root and the accepted nodes, moved down to rows
 `start .. start + accept_len`. Between `verify` and `commit` the committed lengths do not
-change, so a verify that is never committed leaves the slot as it was.
+change, so a verify that is never committed leaves the slot as it was. The cache is the only
+writer of lengths; `commit` returns the new ones.
+
+On CUDA, verify replays CUDA graphs per bucket (`target_graphs`); `enforce_eager` keeps every
+forward eager. Prefill is always eager (one per request, of any length).
 """
 
 from collections.abc import Sequence
@@ -18,7 +22,8 @@ from ddtree_serve.models.families import TargetConfig, TargetModel
 from ddtree_serve.models.kv_cache import CacheWriter, SlotIndex, SlotKVCache
 from ddtree_serve.models.layers import avoid_per_shape_attention_plans
 from ddtree_serve.models.loading import load_target_model, read_eos_token_ids
-from ddtree_serve.models.qwen3 import context_features
+from ddtree_serve.models.qwen3 import Qwen3ForCausalLM, context_features
+from ddtree_serve.models.target_graphs import TargetGraphs, tree_verify_forward
 
 if TYPE_CHECKING:
     from ddtree_serve.tree import VerifyBatch
@@ -35,8 +40,13 @@ class TargetRunner:
         max_seq_len: int,
         target_layer_ids: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] = (),
+        enforce_eager: bool = False,
     ) -> None:
-        """`target_layer_ids`: decoder layers whose outputs form the context features (None: F = 0)."""
+        """`target_layer_ids`: decoder layers whose outputs form the context features (None: F = 0).
+
+        `enforce_eager`: no CUDA graphs. Graphs are used on CUDA for the dense families only;
+        the MoE reference routes tokens on the host, which a graph cannot capture.
+        """
         first = next(model.parameters())
         self.model = model
         self.config: TargetConfig = model.config
@@ -46,6 +56,7 @@ class TargetRunner:
         self.eos_token_ids = tuple(eos_token_ids) or self.config.eos_token_ids
         avoid_per_shape_attention_plans(self.device)
         layout = self.config.kv_layout
+        use_graphs = self.device.type == "cuda" and not enforce_eager and isinstance(model, Qwen3ForCausalLM)
         self.cache = SlotKVCache(
             num_layers=self.config.num_hidden_layers,
             num_slots=num_slots,
@@ -55,7 +66,13 @@ class TargetRunner:
             value_head_dim=layout.value_dim,
             dtype=self.dtype,
             device=self.device,
+            scratch_slots=1 if use_graphs else 0,
         )
+        self.graphs = None
+        if use_graphs:
+            self.graphs = TargetGraphs(
+                model, self.cache, self.target_layer_ids, scratch_slot=num_slots, capture=True
+            )
 
     @classmethod
     def from_pretrained(
@@ -67,6 +84,7 @@ class TargetRunner:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         target_layer_ids: Sequence[int] | None = None,
+        enforce_eager: bool = False,
     ) -> "TargetRunner":
         model = load_target_model(path, dtype=dtype, device=device)
         return cls(
@@ -75,6 +93,7 @@ class TargetRunner:
             max_seq_len=max_seq_len,
             target_layer_ids=target_layer_ids,
             eos_token_ids=read_eos_token_ids(path),
+            enforce_eager=enforce_eager,
         )
 
     @property
@@ -95,7 +114,7 @@ class TargetRunner:
 
     def seq_len(self, slot: int) -> int:
         """Committed tokens in the slot's cache."""
-        return self.cache.lengths[slot]
+        return self.cache.length(slot)
 
     def release(self, slot: int) -> None:
         self.cache.release(slot)
@@ -139,8 +158,7 @@ class TargetRunner:
         mask = torch.arange(num_rows, device=device)[None, None, :] <= positions[..., None]  # [B, T, rows]
         writer = CacheWriter(self.cache, SlotIndex(slots, device), positions, num_rows)
         out = self.model(tokens, positions, mask, writer, self.target_layer_ids)
-        for slot, start, count in zip(slots, start_list, counts, strict=True):
-            self.cache.lengths[slot] = start + count
+        self.cache.append(slots, counts)
         last = torch.tensor(counts, device=device) - 1  # [B]
         batch_index = torch.arange(len(rows), device=device)
         logits = self.model.logits(out.hidden[batch_index, last])  # [B, V]
@@ -148,40 +166,36 @@ class TargetRunner:
         return logits, [features[b, : counts[b]] for b in range(len(rows))]
 
     @torch.inference_mode()
-    def verify(
-        self, slots: Sequence[int], batch: "VerifyBatch", starts: Sequence[int] | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, slots: Sequence[int], batch: "VerifyBatch") -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over every tree node -> (logits `[B, N, V]`, features `[B, N, F]`).
 
         Node i of row b attends to its slot's cached prefix and to the nodes that
         `batch.attn_mask[b, i]` allows (itself and its ancestors), at position
-        `starts[b] + depths[b, i]`. `starts` must equal the slots' cached lengths.
+        `start_b + depths[b, i]` where `start_b` is the slot's cached length. From a CUDA graph the
+        results are views of its static outputs, valid until the next verify.
         """
-        start_list = [int(s) for s in (starts.tolist() if isinstance(starts, torch.Tensor) else starts)]
-        if start_list != self.cache.slot_lengths(slots):
-            raise ValueError(
-                f"starts {start_list} differ from cached lengths {self.cache.slot_lengths(slots)}"
-            )
+        start_list = self.cache.slot_lengths(slots)
         num_nodes = batch.tokens.shape[1]
         self.cache.check_room(slots, num_nodes)
-        batch_size = len(slots)
+        if self.graphs is not None and (graphed := self.graphs.verify(slots, batch, start_list)) is not None:
+            return graphed
         device = self.device
-        tokens = batch.tokens.to(device).clamp(min=0)  # [B, N]
-        depths = batch.depths.to(device).clamp(min=0)  # [B, N]
-        tree_mask = batch.attn_mask.to(device)  # [B, N, N]
-        start_t = torch.tensor(start_list, dtype=torch.int64, device=device)  # [B]
-        node_rows = start_t[:, None] + torch.arange(num_nodes, device=device)  # [B, N] scratch rows
-        num_rows = max(start_list) + num_nodes
-        # columns: the slot's prefix rows < start, then its tree rows start + j per the tree mask
-        mask = (torch.arange(num_rows, device=device) < start_t[:, None])[:, None, :]
-        mask = mask.expand(batch_size, num_nodes, num_rows).clone()  # [B, N, num_rows]
-        mask.scatter_(2, node_rows[:, None, :].expand(batch_size, num_nodes, num_nodes), tree_mask)
-        writer = CacheWriter(self.cache, SlotIndex(slots, device), node_rows, num_rows)
-        out = self.model(tokens, start_t[:, None] + depths, mask, writer, self.target_layer_ids)
-        return self.model.logits(out.hidden), context_features(out, self.target_layer_ids)
+        return tree_verify_forward(
+            self.model,
+            self.cache,
+            self.target_layer_ids,
+            batch.tokens.to(device),
+            batch.depths.to(device),
+            torch.tensor(start_list, dtype=torch.int64, device=device),
+            SlotIndex(slots, device),
+            batch.attn_mask.to(device),
+            max(start_list) + num_nodes,
+        )
 
     @torch.inference_mode()
-    def commit(self, slots: Sequence[int], accept_index: torch.Tensor) -> None:
+    def commit(self, slots: Sequence[int], accept_index: torch.Tensor) -> list[int]:
         """Keep the root and the accepted nodes of the last `verify` (`accept_index [B, D+1]`,
-        local node indices, root first, -1 padded); the slots grow by 1 + accept_len."""
-        self.cache.compact(slots, accept_index)
+        local node indices, root first, -1 padded); the slots grow by 1 + accept_len.
+
+        Returns the slots' new cached lengths."""
+        return self.cache.compact(slots, accept_index)

@@ -142,7 +142,7 @@ class TracingConfig(_Strict):
     )
     service_name: str = Field(default="ddtree-serve", description="OpenTelemetry service.name resource.")
     phase_spans: bool = Field(
-        default=True, description="Emit draft/build/verify/commit spans under every request span."
+        default=True, description="Emit draft/build/verify/append spans under every request span."
     )
 
 

@@ -15,12 +15,12 @@ from contextlib import aclosing
 from typing import Any
 
 from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
+from ddtree_serve.engine.builder import target_dir
 from ddtree_serve.engine.request import RequestStats
 from ddtree_serve.engine.scheduler import QueueFullError
 from ddtree_serve.models import load_tokenizer
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError, invalid
-from ddtree_serve.serve.factories import target_dir
 from ddtree_serve.serve.group import placement_bundles, start_workers
 from ddtree_serve.serve.observed_engine import ObservedEngine
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest, Usage

@@ -11,9 +11,9 @@ from typing import Any
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory
 from ddtree_serve.engine.interfaces import Drafter, Target
 from ddtree_serve.serve.config import ServeConfig, WorkerResources
-from ddtree_serve.serve.factories import LocalDrafterFactory, LocalTargetFactory
 from ddtree_serve.serve.workers import (
     DrafterFactory,
     DrafterWorker,
@@ -48,11 +48,11 @@ def start_workers(
     here; None = load `config.engine`'s model directories (tests inject fakes here).
     """
     engine_config = config.engine
-    target_factory = target_factory or LocalTargetFactory(engine_config)
+    target_factory = target_factory or TargetStepFactory(engine_config)
     if engine_config.mode == "ar":
         drafter_factory = None
     else:
-        drafter_factory = drafter_factory or LocalDrafterFactory(engine_config)
+        drafter_factory = drafter_factory or DraftStepFactory(engine_config)
     if config.placement.workers == "in_process":
         return target_factory(), drafter_factory() if drafter_factory is not None else None
     return _start_actors(config, target_factory, drafter_factory)

@@ -30,6 +30,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="Decoding mode.")
     parser.add_argument("--budget", type=int, help="DDTree node budget per step.")
     parser.add_argument("--device", help="Model device inside the workers: cpu, cuda.")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="Run every forward eagerly (no CUDA graphs).",
+    )
     parser.add_argument("--max-num-seqs", type=int, help="Running requests per speculation group.")
     parser.add_argument("--model-name", help="Name clients pass as `model`.")
     parser.add_argument("--tracing", choices=["none", "file", "otlp"], help="Span exporter.")
@@ -54,6 +60,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ("engine", "mode"): args.mode,
         ("engine", "budget"): args.budget,
         ("engine", "device"): args.device,
+        ("engine", "enforce_eager"): args.enforce_eager,
         ("engine", "max_num_seqs"): args.max_num_seqs,
         ("observability", "tracing", "exporter"): args.tracing,
         ("observability", "tracing", "file_path"): args.tracing_file,

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 
 from ray.serve import metrics
 
+from ddtree_serve.engine.timing import STEP_STAGES
+
 _LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
@@ -34,7 +36,7 @@ class GroupMetrics:
         )
         self.step_latency = metrics.Histogram(
             "ddtree_step_phase_seconds",
-            description="Wall time of one engine step phase (draft, build, verify, commit).",
+            description=f"Wall time of one engine step phase ({', '.join(STEP_STAGES)}).",
             boundaries=_LATENCY_BOUNDARIES_S,
             tag_keys=("phase",),
         )

@@ -1,14 +1,16 @@
 """Ray actors that own the models, and the adapters that make them look like the engine's seam.
 
-`TargetWorker` / `DrafterWorker` wrap the in-process `Target` / `Drafter` built by a factory
-(so tests inject fakes and the engine decides how models load). `RayTarget` / `RayDrafter`
+`TargetWorker` / `DrafterWorker` hold the target's and the drafter's half of the step
+(`TargetStep` / `DraftStep`, or any `Target` / `Drafter`) built by a factory, so tests inject
+fakes and the engine decides how models load. `RayTarget` / `RayDrafter`
 implement the same protocols in the Coordinator over the actor handles: the `SpecEngine` loop
 runs unchanged, Ray only adds transport.
 
-Context features never enter the Coordinator: `prefill` and `verify` have `num_returns=2`, the
-second return being the features, whose `ObjectRef` the engine forwards untouched inside its
-`ContextSlice`s; `RayDrafter` hands each distinct ref to `DrafterWorker.draft` as a top-level
-argument, so Ray resolves it into the drafter's process before the call runs. (Ray inlines
+Context features never enter the Coordinator: `prefill` and `verify_and_commit` have
+`num_returns=2`, the second return being the features, whose `ObjectRef` the engine forwards
+untouched inside its `ContextSlice`s; `RayDrafter` hands each distinct ref to
+`DrafterWorker.draft` as a top-level argument, so Ray resolves it into the drafter's process
+before the call runs. (Ray inlines
 return values under `max_direct_call_object_size`, 100 KiB by default, into the caller's
 memory: a toy model's few-KiB features do pass through the Coordinator's memory; real models'
 features, taps x hidden x accepted tokens, go through the object store target -> drafter.)
@@ -16,28 +18,29 @@ Tensors cross every actor boundary as numpy arrays (`wire.py`: several times che
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import ray
-import torch
 
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
     Drafter,
+    DraftInput,
     DraftOutput,
+    PrefillInput,
     PrefillOutput,
-    SamplingBatch,
     Target,
+    VerifyInput,
     VerifyOutput,
 )
 from ddtree_serve.serve.wire import from_wire, to_wire
 
-if TYPE_CHECKING:
-    from ddtree_serve.tree import VerifyBatch
-
 TargetFactory = Callable[[], Target]
 DrafterFactory = Callable[[], Drafter]
+
+Wired = Any
+"""A value as `to_wire` left it (its tensors are `WireTensor`s): what an actor method receives."""
 
 
 @ray.remote
@@ -55,34 +58,15 @@ class TargetWorker:
         }
 
     @ray.method(num_returns=2)
-    def prefill(
-        self,
-        slots: Sequence[int],
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-    ) -> tuple[Any, Any]:
-        output = self._target.prefill(slots, prompts, from_wire(sampling), from_wire(coins))
-        return to_wire(output.first_tokens), to_wire(output.context)
+    def prefill(self, inputs: Wired) -> tuple[Wired, Wired]:
+        """`inputs`: a wired `PrefillInput` -> (wired `PrefillOutput` without context, wired context)."""
+        output = self._target.prefill(from_wire(inputs))
+        return to_wire(dataclasses.replace(output, context=None)), to_wire(output.context)
 
     @ray.method(num_returns=2)
-    def verify(
-        self,
-        slots: Sequence[int],
-        batch: "VerifyBatch",
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-        coin_final: torch.Tensor | None,
-        return_context: bool,
-    ) -> tuple[Any, Any]:
-        output = self._target.verify(
-            slots,
-            from_wire(batch),
-            from_wire(sampling),
-            from_wire(coins),
-            from_wire(coin_final),
-            return_context,
-        )
+    def verify_and_commit(self, inputs: Wired) -> tuple[Wired, Wired]:
+        """`inputs`: a wired `VerifyInput` -> (wired `VerifyOutput` without context, wired context)."""
+        output = self._target.verify_and_commit(from_wire(inputs))
         return to_wire(dataclasses.replace(output, context=None)), to_wire(output.context)
 
     def release(self, slot: int) -> None:
@@ -99,21 +83,15 @@ class DrafterWorker:
     def describe(self) -> dict[str, Any]:
         return {"block_size": self._drafter.block_size}
 
-    def draft(
-        self,
-        slots: Sequence[int],
-        bonus_tokens: Any,
-        pointers: Sequence[tuple[int, int]],
-        top_k: int,
-        *handles: Any,
-    ) -> Any:
-        """`pointers[i] = (h, j)`: request i's context is entry j of `handles[h]`.
+    def draft(self, inputs: Wired, *handles: Wired) -> Wired:
+        """`inputs`: a wired `DraftInput` whose `ContextSlice.handle`s are positions in `handles`.
 
         `handles` are the target calls' context results, resolved by Ray from the ObjectRefs
         the coordinator passed (one per distinct producing call)."""
         features = [from_wire(handle) for handle in handles]
-        contexts = [ContextSlice(features[h], j) for h, j in pointers]
-        return to_wire(self._drafter.draft(slots, from_wire(bonus_tokens), contexts, top_k))
+        draft_input: DraftInput = from_wire(inputs)
+        contexts = [ContextSlice(features[c.handle], c.index) for c in draft_input.contexts]
+        return to_wire(self._drafter.draft(dataclasses.replace(draft_input, contexts=contexts)))
 
     def release(self, slot: int) -> None:
         self._drafter.release(slot)
@@ -141,37 +119,15 @@ class RayTarget:
     def max_seq_len(self) -> int:
         return self._max_seq_len
 
-    def prefill(
-        self,
-        slots: Sequence[int],
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-    ) -> PrefillOutput:
-        first_tokens_ref, context_ref = self._actor.prefill.remote(
-            list(slots), prompts, to_wire(sampling), to_wire(coins)
-        )
-        return PrefillOutput(first_tokens=from_wire(ray.get(first_tokens_ref)), context=context_ref)
+    def prefill(self, inputs: PrefillInput) -> PrefillOutput:
+        output_ref, context_ref = self._actor.prefill.remote(to_wire(inputs))
+        output: PrefillOutput = from_wire(ray.get(output_ref))
+        return dataclasses.replace(output, context=context_ref)
 
-    def verify(
-        self,
-        slots: Sequence[int],
-        batch: "VerifyBatch",
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-        coin_final: torch.Tensor | None,
-        return_context: bool,
-    ) -> VerifyOutput:
-        output_ref, context_ref = self._actor.verify.remote(
-            list(slots),
-            to_wire(batch),
-            to_wire(sampling),
-            to_wire(coins),
-            to_wire(coin_final),
-            return_context,
-        )
+    def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        output_ref, context_ref = self._actor.verify_and_commit.remote(to_wire(inputs))
         output: VerifyOutput = from_wire(ray.get(output_ref))
-        return dataclasses.replace(output, context=context_ref if return_context else None)
+        return dataclasses.replace(output, context=context_ref if inputs.return_context else None)
 
     def release(self, slot: int) -> None:
         # Fire and forget: calls from one caller run in submission order on the actor, so a
@@ -190,21 +146,16 @@ class RayDrafter:
     def block_size(self) -> int:
         return self._block_size
 
-    def draft(
-        self,
-        slots: Sequence[int],
-        bonus_tokens: torch.Tensor,
-        contexts: Sequence[ContextSlice],
-        top_k: int,
-    ) -> DraftOutput:
-        # Distinct producing calls in order (ObjectRefs hash and compare by object id).
+    def draft(self, inputs: DraftInput) -> DraftOutput:
+        # Distinct producing calls in order (ObjectRefs hash and compare by object id); each
+        # slice travels as (position of its call's ref among the top-level arguments, index).
         position: dict[Any, int] = {}
-        for context in contexts:
+        for context in inputs.contexts:
             position.setdefault(context.handle, len(position))
-        pointers = [(position[context.handle], context.index) for context in contexts]
+        pointers = [ContextSlice(position[c.handle], c.index) for c in inputs.contexts]
+        wired = to_wire(dataclasses.replace(inputs, contexts=pointers))
         handles = list(position)
-        draft_ref = self._actor.draft.remote(list(slots), to_wire(bonus_tokens), pointers, top_k, *handles)
-        return from_wire(ray.get(draft_ref))
+        return from_wire(ray.get(self._actor.draft.remote(wired, *handles)))
 
     def release(self, slot: int) -> None:
         self._actor.release.remote(slot)

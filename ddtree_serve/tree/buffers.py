@@ -36,7 +36,7 @@ class VerifyBatch:
         return self.tokens.shape[0]
 
     @property
-    def num_slots(self) -> int:
+    def padded_num_nodes(self) -> int:
         """N: nodes per tree after padding."""
         return self.tokens.shape[1]
 
@@ -70,18 +70,20 @@ def build_verify_batch(trees: Sequence[DraftTree], n_max: int | None = None) -> 
     arithmetic, dominates at these sizes).
     """
     sizes = [tree.num_nodes for tree in trees]
-    num_slots = max(sizes) if n_max is None else n_max
-    if sizes and max(sizes) > num_slots:
-        raise ValueError(f"a tree has {max(sizes)} nodes, more than n_max={num_slots}")
+    padded_num_nodes = max(sizes) if n_max is None else n_max
+    if sizes and max(sizes) > padded_num_nodes:
+        raise ValueError(f"a tree has {max(sizes)} nodes, more than n_max={padded_num_nodes}")
     batch_size = len(trees)
 
     # One int64 block, split into named [B, N] planes.
-    planes = np.empty((6, batch_size, num_slots), dtype=np.int64)
+    planes = np.empty((6, batch_size, padded_num_nodes), dtype=np.int64)
     tokens, depths, parents, retrieve_index, next_token, next_sibling = planes
     tokens.fill(0)
     depths.fill(0)
     parents.fill(-1)
-    retrieve_index[:] = np.arange(batch_size * num_slots, dtype=np.int64).reshape(batch_size, num_slots)
+    retrieve_index[:] = np.arange(batch_size * padded_num_nodes, dtype=np.int64).reshape(
+        batch_size, padded_num_nodes
+    )
     next_token.fill(-1)
     next_sibling.fill(-1)
 
@@ -127,11 +129,11 @@ def _ancestor_mask(parents: np.ndarray, max_depth: int) -> np.ndarray:
     row i gains row `jump[i]` (its ancestor at distance 2**s), so ceil(log2(max_depth)) vectorised
     steps cover the deepest tree. Roots and padding point to themselves, which ends their walk.
     """
-    batch_size, num_slots = parents.shape
-    self_index, row_offsets, mask_rows = _flat_indices(batch_size, num_slots)
+    batch_size, padded_num_nodes = parents.shape
+    self_index, row_offsets, mask_rows = _flat_indices(batch_size, padded_num_nodes)
     flat_parents = parents.reshape(-1)
     jump = row_offsets + np.where(flat_parents >= 0, flat_parents, self_index)  # [B*N] flat parent/self
-    mask = np.zeros((batch_size * num_slots, num_slots), dtype=np.bool_)  # row b*N+i
+    mask = np.zeros((batch_size * padded_num_nodes, padded_num_nodes), dtype=np.bool_)  # row b*N+i
     mask.reshape(-1)[mask_rows + self_index] = True
     mask.reshape(-1)[mask_rows + jump - row_offsets] = True
     reach = 1  # rows now hold every ancestor within distance `reach`
@@ -139,16 +141,16 @@ def _ancestor_mask(parents: np.ndarray, max_depth: int) -> np.ndarray:
         mask |= mask[jump]
         jump = jump[jump]
         reach *= 2
-    return mask.reshape(batch_size, num_slots, num_slots)
+    return mask.reshape(batch_size, padded_num_nodes, padded_num_nodes)
 
 
 @cache
-def _flat_indices(batch_size: int, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _flat_indices(batch_size: int, padded_num_nodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per flat node b*N+i: its local index i, its tree's offset b*N, its mask row start (b*N+i)*N."""
-    flat = np.arange(batch_size * num_slots, dtype=np.int64)
-    local = flat % num_slots
+    flat = np.arange(batch_size * padded_num_nodes, dtype=np.int64)
+    local = flat % padded_num_nodes
     offsets = flat - local
-    row_starts = flat * num_slots
+    row_starts = flat * padded_num_nodes
     for array in (local, offsets, row_starts):
         array.flags.writeable = False
     return local, offsets, row_starts

@@ -211,18 +211,18 @@ def _sibling_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Node order is descending logw with the host's tie rule, so a stable sort of node indices by
     parent lists each parent's children in the host's sibling order.
     """
-    batch_size, num_slots = parents.shape
-    group = torch.where(parents >= 0, parents, num_slots)[:, 1:]  # [B, N-1]; root, padding last
+    batch_size, padded_num_nodes = parents.shape
+    group = torch.where(parents >= 0, parents, padded_num_nodes)[:, 1:]  # [B, N-1]; root, padding last
     grouped, order = torch.sort(group, dim=1, stable=True)
     nodes = order + 1
-    is_child = grouped < num_slots
+    is_child = grouped < padded_num_nodes
     follows = is_child[:, 1:] & (grouped[:, 1:] == grouped[:, :-1])  # nodes[j+1] is nodes[j]'s sibling
     next_sibling = torch.full_like(parents, -1)
     next_sibling.scatter_(1, nodes[:, :-1], torch.where(follows, nodes[:, 1:], -1))
     first = is_child & torch.cat([torch.ones_like(is_child[:, :1]), ~follows], dim=1)
-    next_token = parents.new_full((batch_size, num_slots + 1), -1)  # last column takes the rest
-    next_token.scatter_(1, torch.where(first, grouped, num_slots), torch.where(first, nodes, -1))
-    return next_token[:, :num_slots], next_sibling
+    next_token = parents.new_full((batch_size, padded_num_nodes + 1), -1)  # last column takes the rest
+    next_token.scatter_(1, torch.where(first, grouped, padded_num_nodes), torch.where(first, nodes, -1))
+    return next_token[:, :padded_num_nodes], next_sibling
 
 
 def _ancestor_mask(positions: torch.Tensor, sizes: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -241,21 +241,23 @@ def _ancestor_mask(positions: torch.Tensor, sizes: torch.Tensor, parents: torch.
 
 def _root_only(root_tokens: torch.Tensor, budget_max: int) -> DeviceTreeBatch:
     """Trees of the root alone (no draft positions, ranks or budget), padded to budget_max + 1."""
-    batch_size, num_slots, device = root_tokens.shape[0], budget_max + 1, root_tokens.device
-    tokens = torch.zeros(batch_size, num_slots, dtype=torch.int64, device=device)
+    batch_size, padded_num_nodes, device = root_tokens.shape[0], budget_max + 1, root_tokens.device
+    tokens = torch.zeros(batch_size, padded_num_nodes, dtype=torch.int64, device=device)
     tokens[:, 0] = root_tokens
     none = torch.full_like(tokens, -1)
     verify = VerifyBatch(
         tokens=tokens,
         depths=torch.zeros_like(tokens),
         parents=none,
-        retrieve_index=torch.arange(batch_size * num_slots, device=device).view(batch_size, -1),
+        retrieve_index=torch.arange(batch_size * padded_num_nodes, device=device).view(batch_size, -1),
         retrieve_next_token=none.clone(),
         retrieve_next_sibling=none.clone(),
-        attn_mask=torch.eye(num_slots, dtype=torch.bool, device=device).expand(batch_size, -1, -1).clone(),
+        attn_mask=torch.eye(padded_num_nodes, dtype=torch.bool, device=device)
+        .expand(batch_size, -1, -1)
+        .clone(),
         num_nodes=torch.ones(batch_size, dtype=torch.int64, device=device),
         max_depth=0,
     )
     return DeviceTreeBatch(
-        verify=verify, logws=torch.zeros(batch_size, num_slots, dtype=torch.float64, device=device)
+        verify=verify, logws=torch.zeros(batch_size, padded_num_nodes, dtype=torch.float64, device=device)
     )

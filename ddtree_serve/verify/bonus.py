@@ -15,8 +15,15 @@ def sample_bonus(
     The walk ends at `final_node` after rejecting all of its children (or because it has none),
     so the rejected mass of the design's loop is exactly the children's target probability:
     the bonus is drawn by inverse CDF with `coin_final` from `target_probs[final_node]` with the
-    children's tokens removed. If float rounding rejected every child while they held all the
-    mass, the residual is empty and the bonus is the target's argmax.
+    children's tokens removed.
+
+    Boundaries as in SGLang's kernel: the token is the first whose cumulative residual exceeds
+    `u = coin_final * total` (buckets are half-open), so `u` exactly on a cumulative value goes
+    to the next token of positive residual and zero-residual tokens are never drawn; where `u`
+    rounds up to `total` it is moved below it, which picks the last positive token (the kernel's
+    `last_valid_id` fallback). One deliberate difference: if float rounding rejected every child
+    while they held all the mass, the residual is empty; the kernel then returns token V - 1,
+    here the bonus is the target's argmax.
     """
     batch_size, _, vocab_size = target_probs.shape
     rows = torch.arange(batch_size, device=target_probs.device)

@@ -1,9 +1,10 @@
 """Triton tree walk for sampling verification (GPU): one program per request.
 
 Same contract and arithmetic as the reference `walk.walk_tree`: float32 running sums in sibling
-order, IEEE division by `threshold_acc`, the `q > 0` guard, so both agree bit-for-bit on the
-same coins. The walk is inherently sequential per request (each level depends on the last), so
-a program walks one tree with scalar loads; the batch gives the parallelism.
+order, IEEE division by the clamped `threshold_acc`, the half-open `coin < acc / threshold_acc`
+and the `q > 0` guard, so both agree bit-for-bit on the same coins. The walk is inherently
+sequential per request (each level depends on the last), so a program walks one tree with
+scalar loads; the batch gives the parallelism.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ddtree_serve.tree import VerifyBatch
+from ddtree_serve.verify.walk import clamped_threshold_acc
 
 
 @triton.jit
@@ -25,13 +27,13 @@ def _tree_walk_kernel(
     accept_index_ptr,  # [B, D + 1] int64, prefilled with -1
     accept_len_ptr,  # [B] int64
     threshold_single,
-    threshold_acc,
-    num_slots,
+    threshold_acc,  # already clamped to >= THRESHOLD_ACC_MIN
+    padded_num_nodes,
     vocab_size,
     max_depth,
 ):
     request = tl.program_id(0).to(tl.int64)
-    node_base = request * num_slots
+    node_base = request * padded_num_nodes
     accept_base = request * (max_depth + 1)
 
     # Loop-carried scalars start as int64 tensors (integer args equal to 1 arrive as constants).
@@ -50,7 +52,7 @@ def _tree_walk_kernel(
             token = tl.load(tokens_ptr + node_base + child)
             q = tl.load(target_probs_ptr + row + token)
             acc = acc + q
-            hit = (q > 0) & ((coin <= tl.math.div_rn(acc, threshold_acc)) | (q >= threshold_single))
+            hit = (q > 0) & ((coin < tl.math.div_rn(acc, threshold_acc)) | (q >= threshold_single))
             chosen = tl.where(hit, child, chosen)
             child = tl.where(hit, -1, tl.load(next_sibling_ptr + node_base + child))
         if chosen >= 0:
@@ -70,7 +72,7 @@ def triton_walk(
     threshold_acc: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `backends.torch_walk`, for CUDA tensors."""
-    batch_size, num_slots = batch.tokens.shape
+    batch_size, padded_num_nodes = batch.tokens.shape
     device = target_probs.device
     accept_index = torch.full((batch_size, batch.max_depth + 1), -1, dtype=torch.int64, device=device)
     accept_len = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -85,8 +87,8 @@ def triton_walk(
         accept_index,
         accept_len,
         float(threshold_single),
-        float(threshold_acc),
-        num_slots,
+        clamped_threshold_acc(threshold_acc),
+        padded_num_nodes,
         target_probs.shape[-1],
         batch.max_depth,
     )

@@ -3,10 +3,13 @@
 This is the specification every verification backend is tested against on the same coins.
 Per request, starting at the root, each level tries the current node's children in linked
 (descending logw) order, adding each child's target probability to a running sum `acc`;
-the first child with `q > 0` and (`coin[row] <= acc / threshold_acc` or `q >= threshold_single`)
-is accepted and becomes the current node. With thresholds at 1 this is inverse-CDF sampling of
-the target distribution over the ordered children, so acceptance is exact. The `q > 0` guard
-keeps a coin of exactly 0 from accepting a token the target gives probability 0.
+the first child with `q > 0` and (`coin[row] < acc / max(threshold_acc, 1e-9)` or
+`q >= threshold_single`) is accepted and becomes the current node. This is the rule of SGLang's
+`tree_speculative_sampling_target_only` after its fix for issue #35771. With thresholds at 1 it
+is inverse-CDF sampling of the target distribution over the ordered children with half-open
+buckets `[acc - q, acc)`, so acceptance is exact for coins in [0, 1): a coin on a bucket boundary
+belongs to the next bucket, and a token of probability 0 (an empty bucket) is never accepted,
+not even by a coin of exactly 0. The clamp keeps `threshold_acc <= 0` from dividing by zero.
 
 The walk is vectorised over the batch; Python loops run over depth levels and sibling steps.
 All arithmetic is float32 in sibling order, so a kernel doing the same sums agrees bit-for-bit.
@@ -22,6 +25,18 @@ from ddtree_serve.tree import VerifyBatch
 
 # (current rows [B], candidate tokens [B]) -> target probability of each candidate [B] float32
 ChildProbFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# `threshold_acc` is clamped to at least this before dividing (SGLang's kernel does the same).
+THRESHOLD_ACC_MIN = 1e-9
+
+
+def clamped_threshold_acc(threshold_acc: float) -> float:
+    """The divisor every backend uses: `max(threshold_acc, THRESHOLD_ACC_MIN)`.
+
+    Clamping in float64 and then rounding to float32 gives the kernel's `fmaxf` of the rounded
+    values, because rounding is monotonic.
+    """
+    return max(float(threshold_acc), THRESHOLD_ACC_MIN)
 
 
 def walk_tree(
@@ -40,7 +55,7 @@ def walk_tree(
     rows = torch.arange(batch_size, device=device)
     coins = coins.to(device=device, dtype=torch.float32)
     threshold_single_t = torch.tensor(threshold_single, dtype=torch.float32, device=device)
-    threshold_acc_t = torch.tensor(threshold_acc, dtype=torch.float32, device=device)
+    threshold_acc_t = torch.tensor(clamped_threshold_acc(threshold_acc), dtype=torch.float32, device=device)
 
     accept_index = torch.full((batch_size, batch.max_depth + 1), -1, dtype=torch.int64, device=device)
     accept_index[:, 0] = 0
@@ -59,7 +74,7 @@ def walk_tree(
             node = child.clamp(min=0)
             q = torch.where(pending, child_prob(current, batch.tokens[rows, node]), 0.0)
             acc = acc + q
-            hit = pending & (q > 0) & ((coin <= acc / threshold_acc_t) | (q >= threshold_single_t))
+            hit = pending & (q > 0) & ((coin < acc / threshold_acc_t) | (q >= threshold_single_t))
             chosen = torch.where(hit, node, chosen)
             child = torch.where(hit | ~pending, none, batch.retrieve_next_sibling[rows, node])
             pending = child >= 0

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.local import LocalTarget
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.engine.target_step import TargetStep
 from ddtree_serve.models import TargetRunner, bundled_drafter_dir, bundled_target_dir, load_tokenizer
 from tests.engine.fakes import OracleDrafter, RecordingTarget
 
@@ -91,7 +91,7 @@ def make_oracle_engine(
         runner = TargetRunner.from_pretrained(
             target_dir, num_slots=max_num_seqs, max_seq_len=config.max_seq_len, dtype=torch.float32
         )
-        target = RecordingTarget(LocalTarget(runner, verify_backend="torch"))
+        target = RecordingTarget(TargetStep(runner, verify_backend="torch"))
         drafter = OracleDrafter(target, greedy_references, vocab_size=runner.vocab_size)
         engine_settings = config.model_copy(update={"mode": mode, **settings}).to_settings()
         return SpecEngine(engine_settings, target, drafter, pair_tokenizer), target

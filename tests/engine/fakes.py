@@ -6,20 +6,18 @@ greedy continuation and proposes it through a noisy top-K (right token at rank 0
 or missing), so verification accepts deep paths, accepts siblings and rejects, every step.
 """
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
 from ddtree_serve.engine.interfaces import (
-    ContextSlice,
+    DraftInput,
     DraftOutput,
+    PrefillInput,
     PrefillOutput,
-    SamplingBatch,
     Target,
+    VerifyInput,
     VerifyOutput,
 )
-from ddtree_serve.tree import VerifyBatch
 
 
 class RecordingTarget:
@@ -43,29 +41,15 @@ class RecordingTarget:
     def max_seq_len(self) -> int:
         return self.inner.max_seq_len
 
-    def prefill(
-        self,
-        slots: Sequence[int],
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-    ) -> PrefillOutput:
-        for slot, prompt in zip(slots, prompts, strict=True):
+    def prefill(self, inputs: PrefillInput) -> PrefillOutput:
+        for slot, prompt in zip(inputs.slots, inputs.prompts, strict=True):
             self.slot_prompts[slot] = tuple(prompt)
-        return self.inner.prefill(slots, prompts, sampling, coins)
+        return self.inner.prefill(inputs)
 
-    def verify(
-        self,
-        slots: Sequence[int],
-        batch: VerifyBatch,
-        sampling: SamplingBatch,
-        coins: torch.Tensor | None,
-        coin_final: torch.Tensor | None,
-        return_context: bool,
-    ) -> VerifyOutput:
-        self.verify_batch_sizes.append(len(slots))
-        self.verify_num_nodes.append(int(batch.num_nodes.sum()))
-        return self.inner.verify(slots, batch, sampling, coins, coin_final, return_context)
+    def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        self.verify_batch_sizes.append(len(inputs.slots))
+        self.verify_num_nodes.append(int(inputs.batch.num_nodes.sum()))
+        return self.inner.verify_and_commit(inputs)
 
     def release(self, slot: int) -> None:
         self.slot_prompts.pop(slot, None)
@@ -102,14 +86,9 @@ class OracleDrafter:
     def block_size(self) -> int:
         return self._block_size
 
-    def draft(
-        self,
-        slots: Sequence[int],
-        bonus_tokens: torch.Tensor,
-        contexts: Sequence[ContextSlice],
-        top_k: int,
-    ) -> DraftOutput:
-        num_levels, k = self._block_size - 1, min(top_k, self.vocab_size)
+    def draft(self, inputs: DraftInput) -> DraftOutput:
+        slots, contexts = inputs.slots, inputs.contexts
+        num_levels, k = self._block_size - 1, min(inputs.top_k, self.vocab_size)
         logp = torch.log(torch.tensor([0.5 ** (r + 1) for r in range(k)])).expand(len(slots), num_levels, k)
         ids = torch.empty(len(slots), num_levels, k, dtype=torch.int64)
         for b, (slot, context) in enumerate(zip(slots, contexts, strict=True)):
@@ -132,7 +111,8 @@ class OracleDrafter:
                     elif draw < self.p_rank0 + self.p_rank1 and k > 1:
                         row[1] = true_token
                 ids[b, depth] = torch.from_numpy(row[:k])
-        return DraftOutput(logp=logp.contiguous(), ids=ids)
+        num_context_tokens = tuple(self.context_lens[slot] for slot in slots)
+        return DraftOutput(logp=logp.contiguous(), ids=ids, num_context_tokens=num_context_tokens)
 
     def release(self, slot: int) -> None:
         self.context_lens.pop(slot, None)

@@ -71,7 +71,7 @@ def test_a_failing_step_fails_streams_and_later_calls(client, prompt_ids):
     def broken_verify(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    client.engine.target.verify = broken_verify
+    client.engine.target.verify_and_commit = broken_verify
 
     async def run():
         return [o async for o in client.generate_stream(prompt_ids[0], PARAMS)]

@@ -11,7 +11,7 @@ def output(
     token_ids: list[int], finished: bool = False, stop_text_offset: int | None = None
 ) -> RequestOutput:
     return RequestOutput(
-        "r", tuple(token_ids), 0, finished, "stop" if finished else None, stop_text_offset, STATS
+        "r", token_ids, len(token_ids), 1, finished, "stop" if finished else None, stop_text_offset, STATS
     )
 
 

@@ -66,9 +66,9 @@ def check_verify_matches_path_decoding_then_commit(runner: TargetRunner, seed: i
         )
     for slot, prompt in zip(slots, prompts, strict=True):
         runner.prefill(slot, prompt)
-    batch = tree_inputs(trees, num_slots=14)
+    batch = tree_inputs(trees, padded_num_nodes=14)
     starts = [runner.seq_len(s) for s in slots]
-    logits, features = runner.verify(slots, batch, starts)
+    logits, features = runner.verify(slots, batch)
     assert logits.shape == (2, 14, vocab) and features.shape == (2, 14, runner.feature_dim)
 
     for b, (token_ids, parents) in enumerate(trees):
@@ -84,7 +84,7 @@ def check_verify_matches_path_decoding_then_commit(runner: TargetRunner, seed: i
     accept_index = torch.full((2, depth), -1, dtype=torch.int64)
     for b, path in enumerate(accepted):
         accept_index[b, : len(path)] = torch.tensor(path)
-    runner.commit(slots, accept_index)
+    assert runner.commit(slots, accept_index) == [starts[b] + len(accepted[b]) for b in range(2)]
     for b, slot in enumerate(slots):
         assert runner.seq_len(slot) == starts[b] + len(accepted[b])
         committed = prompts[b] + [trees[b][0][i] for i in accepted[b]]

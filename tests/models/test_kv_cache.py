@@ -18,11 +18,11 @@ def numbered_cache(num_slots: int = 3, max_seq_len: int = 12) -> SlotKVCache:
 
 def test_compact_moves_kept_rows_down_in_every_layer() -> None:
     cache = numbered_cache()
-    cache.lengths = [4, 2, 0]
+    assert cache.append([0, 1], [4, 2]) == [4, 2]
     before = cache.keys.clone()
     keep = torch.tensor([[0, 3, 5, -1], [0, 2, -1, -1]])  # slot 2 kept rows 0, 3, 5; slot 0 rows 0, 2
     assert cache.compact([2, 0], keep) == [3, 6]
-    assert cache.lengths == [6, 2, 3]
+    assert cache.slot_lengths([0, 1, 2]) == [6, 2, 3]
     assert torch.equal(cache.keys[:, 2, :3], before[:, 2, [0, 3, 5]])
     assert torch.equal(cache.keys[:, 0, :6], before[:, 0, [0, 1, 2, 3, 4, 6]])
     assert torch.equal(cache.keys[:, 1], before[:, 1])  # untouched slot

@@ -46,13 +46,12 @@ def test_uncommitted_verify_leaves_slot_unchanged_and_release_resets(tiny_target
     assert runner.feature_dim == 0
     prompt = list(range(20, 30))
     runner.prefill(0, prompt)
-    batch = tree_inputs([([4, 5, 6, 7], [-1, 0, 0, 1])], num_slots=4)
-    runner.verify([0], batch, [10])
-    root_only = tree_inputs([([9], [-1])], num_slots=1)
-    logits, _ = runner.verify([0], root_only, [10])
+    batch = tree_inputs([([4, 5, 6, 7], [-1, 0, 0, 1])], padded_num_nodes=4)
+    runner.verify([0], batch)
+    root_only = tree_inputs([([9], [-1])], padded_num_nodes=1)
+    logits, _ = runner.verify([0], root_only)
     assert (logits[0, 0] - full_forward(runner, [*prompt, 9])[0][-1]).abs().max() < TOL
-    with pytest.raises(ValueError, match="starts"):
-        runner.verify([0], root_only, [11])
+    assert runner.seq_len(0) == len(prompt)
     runner.release(0)
     assert runner.seq_len(0) == 0
     logits, _ = runner.prefill(0, [3, 4])
@@ -63,7 +62,7 @@ def test_overflowing_the_slot_is_refused(tiny_target_dir: Path) -> None:
     runner = TargetRunner.from_pretrained(tiny_target_dir, num_slots=1, max_seq_len=8)
     runner.prefill(0, list(range(6)))
     with pytest.raises(ValueError, match="max_seq_len"):
-        runner.verify([0], tree_inputs([([1, 2, 3], [-1, 0, 1])], num_slots=3), [6])
+        runner.verify([0], tree_inputs([([1, 2, 3], [-1, 0, 1])], padded_num_nodes=3))
 
 
 def test_batched_prefill_equals_one_slot_at_a_time(tiny_target_dir: Path) -> None:
@@ -93,11 +92,11 @@ def test_cuda_verify_and_commit_match_cpu(tiny_target_dir: Path) -> None:
     ]
     gen = torch.Generator().manual_seed(11)
     trees = [(torch.randint(0, 300, (9,), generator=gen).tolist(), random_parents(9, gen)) for _ in range(2)]
-    batch = tree_inputs(trees, num_slots=9)
+    batch = tree_inputs(trees, padded_num_nodes=9)
     outputs = []
     for runner in runners:
         runner.prefill_batch([0, 1], [list(range(3, 20)), list(range(40, 47))])
-        logits, features = runner.verify([0, 1], batch, [17, 7])
+        logits, features = runner.verify([0, 1], batch)
         runner.commit([0, 1], torch.tensor([[0, 1, -1], [0, -1, -1]]))
         after, _ = runner.prefill_batch([0, 1], [[5], [6]])
         outputs.append((logits.cpu(), features.cpu(), after.cpu()))

@@ -19,8 +19,8 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def tree_inputs(trees: list[tuple[list[int], list[int]]], num_slots: int) -> VerifyBatch:
-    """`trees[b] = (token_ids, parents)` -> a `VerifyBatch` padded to `num_slots` nodes."""
+def tree_inputs(trees: list[tuple[list[int], list[int]]], padded_num_nodes: int) -> VerifyBatch:
+    """`trees[b] = (token_ids, parents)` -> a `VerifyBatch` padded to `padded_num_nodes` nodes."""
     draft_trees = []
     for token_ids, parents in trees:
         depths = [len(path_to(parents, i)) - 1 for i in range(len(token_ids))]
@@ -32,4 +32,4 @@ def tree_inputs(trees: list[tuple[list[int], list[int]]], num_slots: int) -> Ver
                 logws=-np.arange(len(token_ids), dtype=np.float64),  # any order works for the model
             )
         )
-    return build_verify_batch(draft_trees, n_max=num_slots)
+    return build_verify_batch(draft_trees, n_max=padded_num_nodes)

@@ -470,7 +470,7 @@ def test_spans_are_parented_to_the_callers_trace_and_cover_every_phase(
         lines = spans_path.read_text().splitlines() if spans_path.exists() else []
         return [s for s in map(json.loads, lines) if s["context"]["trace_id"] == f"0x{trace}"]
 
-    wait_for(lambda: {"commit", "ddtree.request"} <= {s["name"] for s in spans_of(trace_id)})
+    wait_for(lambda: {"append", "ddtree.request"} <= {s["name"] for s in spans_of(trace_id)})
     spans = spans_of(trace_id)
     by_name = {s["name"]: s for s in spans}
     ingress = by_name["POST /v1/completions"]
@@ -478,7 +478,7 @@ def test_spans_are_parented_to_the_callers_trace_and_cover_every_phase(
     assert ingress["parent_id"] == f"0x{parent_id}"
     assert request["parent_id"] == ingress["context"]["span_id"]
     assert request["attributes"]["ddtree.acceptance_length"] >= 1.0
-    for phase in ("draft", "build", "verify", "commit"):
+    for phase in ("draft", "build", "verify", "append"):
         phase_spans = [s for s in spans if s["name"] == phase]
         assert phase_spans and all(s["parent_id"] == request["context"]["span_id"] for s in phase_spans)
     wait_for(
@@ -503,12 +503,12 @@ def test_actor_adapters_forward_context_as_an_object_ref_and_match_in_process_mo
     import ray
     import torch
 
-    from ddtree_serve.engine.interfaces import ContextSlice, SamplingBatch
-    from ddtree_serve.serve.factories import LocalDrafterFactory, LocalTargetFactory
+    from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory
+    from ddtree_serve.engine.interfaces import ContextSlice, DraftInput, PrefillInput, SamplingBatch
     from ddtree_serve.serve.workers import DrafterWorker, RayDrafter, RayTarget, TargetWorker
 
     engine_config = EngineConfig.model_validate(cluster.config.engine.model_dump())
-    target_factory, drafter_factory = LocalTargetFactory(engine_config), LocalDrafterFactory(engine_config)
+    target_factory, drafter_factory = TargetStepFactory(engine_config), DraftStepFactory(engine_config)
     remote_target = RayTarget(TargetWorker.options(num_cpus=0.01).remote(target_factory))
     remote_drafter = RayDrafter(DrafterWorker.options(num_cpus=0.01).remote(drafter_factory))
     local_target, local_drafter = target_factory(), drafter_factory()
@@ -527,9 +527,9 @@ def test_actor_adapters_forward_context_as_an_object_ref_and_match_in_process_mo
     )
     outputs = []
     for target, drafter in ((remote_target, remote_drafter), (local_target, local_drafter)):
-        prefill = target.prefill([0, 1], prompts, greedy_batch, None)
+        prefill = target.prefill(PrefillInput([0, 1], prompts, greedy_batch, None))
         contexts = [ContextSlice(prefill.context, i) for i in range(2)]
-        outputs.append((prefill, drafter.draft([0, 1], prefill.first_tokens, contexts, top_k=4)))
+        outputs.append((prefill, drafter.draft(DraftInput([0, 1], prefill.first_tokens, contexts, top_k=4))))
     (remote_prefill, remote_draft), (local_prefill, local_draft) = outputs
     assert isinstance(remote_prefill.context, ray.ObjectRef)  # the coordinator holds a reference
     assert torch.equal(remote_prefill.first_tokens, local_prefill.first_tokens)

@@ -13,12 +13,12 @@ import pytest
 from ray import serve
 
 from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.builder import TargetStepFactory
 from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.coordinator import Coordinator
 from ddtree_serve.serve.errors import ErrorKind, RequestError, as_request_error
-from ddtree_serve.serve.factories import LocalTargetFactory
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import tiny_serve_config
@@ -88,10 +88,10 @@ def test_request_and_phase_spans_reach_the_file_exporter(
     assert request["parent_id"] == "0x2222222222222222"
     assert request["attributes"]["request_id"] == "traced"
     phases = {s["name"] for s in spans if s["parent_id"] == request["context"]["span_id"]}
-    assert {"prefill", "draft", "build", "verify", "commit"} <= phases
+    assert {"prefill", "draft", "build", "verify", "append"} <= phases
 
 
-class _BrokenVerifyFactory(LocalTargetFactory):
+class _BrokenVerifyFactory(TargetStepFactory):
     """The real target, except that every verify fails (a lost device, say)."""
 
     def __call__(self) -> Any:
@@ -100,7 +100,7 @@ class _BrokenVerifyFactory(LocalTargetFactory):
         def broken_verify(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("device lost")
 
-        target.verify = broken_verify  # type: ignore[method-assign]
+        target.verify_and_commit = broken_verify  # type: ignore[method-assign]
         return target
 
 

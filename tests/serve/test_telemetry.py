@@ -11,7 +11,7 @@ from ddtree_serve.serve.telemetry import GroupTelemetry
 
 def _output(request_id: str) -> RequestOutput:
     stats = RequestStats(num_prompt_tokens=3, num_generated_tokens=2, steps=1, acceptance_length=2.0)
-    return RequestOutput(request_id, (5, 6), 2, False, None, None, stats)
+    return RequestOutput(request_id, [5, 6], 2, 2, False, None, None, stats)
 
 
 def test_phase_spans_go_under_the_running_requests_only(tmp_path: Path) -> None:

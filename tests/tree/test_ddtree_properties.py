@@ -96,19 +96,22 @@ def ancestors(tree: DraftTree, node: int) -> set[int]:
     drafts_and_budgets=st.lists(
         st.tuples(drafts(max_levels=5, max_ranks=4), st.integers(0, 25)), min_size=1, max_size=4
     ),
-    extra_slots=st.integers(0, 3),
+    extra_padding=st.integers(0, 3),
 )
 def test_buffers_link_siblings_by_logw_and_mask_is_ancestry(
-    drafts_and_budgets: list[tuple[tuple[np.ndarray, np.ndarray], int]], extra_slots: int
+    drafts_and_budgets: list[tuple[tuple[np.ndarray, np.ndarray], int]], extra_padding: int
 ) -> None:
     trees = [
         build_ddtree(logp, ids, budget, root_token=b)
         for b, ((logp, ids), budget) in enumerate(drafts_and_budgets)
     ]
-    num_slots = max(t.num_nodes for t in trees) + extra_slots
-    batch = build_verify_batch(trees, n_max=num_slots)
-    assert batch.attn_mask.shape == (len(trees), num_slots, num_slots)
-    assert batch.retrieve_index.tolist() == np.arange(len(trees) * num_slots).reshape(len(trees), -1).tolist()
+    padded_num_nodes = max(t.num_nodes for t in trees) + extra_padding
+    batch = build_verify_batch(trees, n_max=padded_num_nodes)
+    assert batch.attn_mask.shape == (len(trees), padded_num_nodes, padded_num_nodes)
+    assert (
+        batch.retrieve_index.tolist()
+        == np.arange(len(trees) * padded_num_nodes).reshape(len(trees), -1).tolist()
+    )
     assert batch.max_depth == max(t.max_depth for t in trees)
     next_token = batch.retrieve_next_token.numpy()
     next_sibling = batch.retrieve_next_sibling.numpy()
@@ -129,7 +132,7 @@ def test_buffers_link_siblings_by_logw_and_mask_is_ancestry(
             assert np.all(logws[:-1] >= logws[1:])
             assert set(np.flatnonzero(mask[b, i]).tolist()) == ancestors(tree, i)
         # Padding: isolated, no links in or out.
-        for i in range(n, num_slots):
+        for i in range(n, padded_num_nodes):
             assert np.flatnonzero(mask[b, i]).tolist() == [i]
             assert next_token[b, i] == -1 and next_sibling[b, i] == -1
         assert np.all(next_token[b] < n) and np.all(next_sibling[b] < n)

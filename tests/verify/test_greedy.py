@@ -100,11 +100,14 @@ def test_sampling_at_temperature_zero_equals_greedy() -> None:
     generator = torch.Generator().manual_seed(99)
     trees = _random_trees(generator, count=32, num_levels=5, k=3)
     batch = build_verify_batch(trees)
-    logits = torch.randn(32, batch.num_slots, VOCAB, generator=generator) * 3
+    logits = torch.randn(32, batch.padded_num_nodes, VOCAB, generator=generator) * 3
     greedy = verify_greedy(batch, logits)
     zeros = torch.zeros(32)
     probs = target_probs(logits, zeros, torch.zeros(32, dtype=torch.int64), torch.ones(32))
-    for coins in (torch.rand(32, batch.num_slots, generator=generator), torch.zeros(32, batch.num_slots)):
+    for coins in (
+        torch.rand(32, batch.padded_num_nodes, generator=generator),
+        torch.zeros(32, batch.padded_num_nodes),
+    ):
         sampled = verify_sampling(batch, probs, coins, coins[:, 0])
         assert torch.equal(sampled.accept_index, greedy.accept_index)
         assert torch.equal(sampled.bonus_token, greedy.bonus_token)

@@ -103,7 +103,7 @@ def sample_two_tokens(
     probs1 = node_probs(step1, target, generator).repeat(DRAWS_PER_TREE, 1, 1)
     step1 = repeat_batch(step1, DRAWS_PER_TREE)
     num_draws = step1.batch_size
-    coins = torch.rand(num_draws, step1.num_slots, generator=generator)
+    coins = torch.rand(num_draws, step1.padded_num_nodes, generator=generator)
     result1 = verify_sampling(
         step1, probs1, coins, torch.rand(num_draws, generator=generator), 1.0, threshold_acc
     )
@@ -113,7 +113,7 @@ def sample_two_tokens(
     probs2 = node_probs(step2, target, generator).repeat(DRAWS_PER_TREE, 1, 1)
     probs2[:, 0] = target.next_probs[first]
     step2 = repeat_batch(step2, DRAWS_PER_TREE)
-    coins2 = torch.rand(num_draws, step2.num_slots, generator=generator)
+    coins2 = torch.rand(num_draws, step2.padded_num_nodes, generator=generator)
     result2 = verify_sampling(
         step2, probs2, coins2, torch.rand(num_draws, generator=generator), 1.0, threshold_acc
     )

@@ -38,13 +38,13 @@ def run(coin_root: float, coin_node1: float, coin_final: float, **thresholds: fl
 
 
 def test_first_child_accepted_then_child_rejected() -> None:
-    # Root: coin 0.2 <= acc 0.3 at node 1. Node 1: coin 0.6 > 0.5 rejects node 4 (token 5);
+    # Root: coin 0.2 < acc 0.3 at node 1. Node 1: coin 0.6 > 0.5 rejects node 4 (token 5);
     # bonus from node 1's row without token 5 = token 0 whatever coin_final is.
     assert run(0.2, 0.6, 0.9) == ([0, 1, -1], 0)
 
 
 def test_second_child_accepted_then_leaf_bonus_by_inverse_cdf() -> None:
-    # Root: acc 0.3 < 0.65 <= 0.7 accepts node 2 (token 3), a leaf. Bonus: cdf of node 2's row is
+    # Root: acc 0.3 <= 0.65 < 0.7 accepts node 2 (token 3), a leaf. Bonus: cdf of node 2's row is
     # 0.25, 0.5, 0.75, 1.0; u = 0.6 falls in token 2's interval.
     assert run(0.65, 0.0, 0.6) == ([0, 2, -1], 2)
 
@@ -57,7 +57,7 @@ def test_all_children_rejected_bonus_from_residual() -> None:
 
 def test_thresholds_accept_more() -> None:
     assert run(0.75, 0.0, 0.5, threshold_single=0.35) == ([0, 2, -1], 2)  # q = 0.4 >= 0.35
-    assert run(0.75, 0.0, 0.5, threshold_acc=0.5) == ([0, 2, -1], 2)  # 0.7 / 0.5 >= 0.75
+    assert run(0.75, 0.0, 0.5, threshold_acc=0.5) == ([0, 2, -1], 2)  # 0.75 < 0.7 / 0.5
 
 
 def test_coin_zero_never_accepts_a_zero_probability_token() -> None:
@@ -76,12 +76,12 @@ def test_bonus_is_never_a_child_or_zero_probability_token() -> None:
     generator = torch.Generator().manual_seed(3)
     trees = [build_ddtree(*draft_topk(torch.randn(3, 6, generator=generator), 3), 6, 0) for _ in range(64)]
     batch = build_verify_batch(trees)
-    logits = torch.randn(64, batch.num_slots, 6, generator=generator)
+    logits = torch.randn(64, batch.padded_num_nodes, 6, generator=generator)
     probs = target_probs(logits, torch.ones(64), torch.full((64,), 3), torch.ones(64))
     result = verify_sampling(
         batch,
         probs,
-        torch.rand(64, batch.num_slots, generator=generator),
+        torch.rand(64, batch.padded_num_nodes, generator=generator),
         torch.rand(64, generator=generator),
     )
     final = result.accept_index.gather(1, result.accept_len.view(-1, 1)).view(-1)
@@ -97,11 +97,14 @@ def test_mixed_temperatures_greedy_rows_equal_verify_greedy() -> None:
         build_ddtree(*draft_topk(torch.randn(4, 8, generator=generator) * 3, 3), 10, 1) for _ in range(8)
     ]
     batch = build_verify_batch(trees)
-    logits = torch.randn(8, batch.num_slots, 8, generator=generator) * 3
+    logits = torch.randn(8, batch.padded_num_nodes, 8, generator=generator) * 3
     temperature = torch.tensor([0.0, 1.0, 0.0, 0.7, 0.0, 1.3, 0.0, 0.0])
     probs = target_probs(logits, temperature, torch.zeros(8, dtype=torch.int64), torch.ones(8))
     sampled = verify_sampling(
-        batch, probs, torch.rand(8, batch.num_slots, generator=generator), torch.rand(8, generator=generator)
+        batch,
+        probs,
+        torch.rand(8, batch.padded_num_nodes, generator=generator),
+        torch.rand(8, generator=generator),
     )
     greedy = verify_greedy(batch, logits)
     rows = temperature == 0

@@ -1,11 +1,13 @@
-"""Greedy tree verification on the host, from the target's argmax at every node.
+"""The "host" greedy backend: the greedy walk in plain Python, from the target's argmax per node.
 
-Same decisions as `ddtree_serve.verify.verify_greedy` (the reference, tested against it): from
-the root, accept the first child in linked (descending logw) order whose token is the target's
+Same decisions as the reference `backends.torch_greedy_walk` (tested against it): from the
+root, accept the first child in linked (descending logw) order whose token is the target's
 argmax at the current node, until no child matches; the bonus is the argmax at the last
-accepted node. Done here because after one `[B, N]` argmax copy the walk is a few dozen host
+accepted node. Worth having because after one `[B, N]` argmax copy the walk is a few dozen host
 steps, where the device walk costs a kernel launch per sibling and a sync per level.
 """
+
+from __future__ import annotations
 
 import torch
 
@@ -17,7 +19,8 @@ def greedy_walk_on_host(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (accept_index [B, D+1] int64, -1 padded; accept_len [B]; bonus_token [B]), all CPU.
 
-    `batch` on the CPU; `target_argmax [B, N]` int64 on the CPU.
+    `batch` and `target_argmax [B, N]` int64 belong on the CPU; device tensors are copied over
+    (one blocking copy each), so pass the argmax already on the host where that matters.
     """
     argmax_rows = target_argmax.tolist()  # [B][N]
     token_rows = batch.tokens.tolist()

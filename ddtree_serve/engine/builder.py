@@ -1,0 +1,104 @@
+"""The one model builder: an `EngineConfig` in, the target and draft steps out.
+
+Only here does the code know where the model directories are, which target layers feed the
+drafter, which verify backend runs, and how the step timer syncs. `build_local_engine` (for
+`LLM`, the CLI and the benches) and the Ray workers (through the picklable factories) both
+build through it, so each model loads one way.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.draft_step import DraftStep
+from ddtree_serve.engine.target_step import TargetStep
+from ddtree_serve.engine.timing import StageTimer
+from ddtree_serve.models import (
+    DFlashConfig,
+    DFlashDrafter,
+    TargetRunner,
+    bundled_drafter_dir,
+    bundled_target_dir,
+)
+from ddtree_serve.verify import backend_available
+
+
+def target_dir(config: EngineConfig) -> Path:
+    return Path(config.target) if config.target is not None else bundled_target_dir()
+
+
+def drafter_dir(config: EngineConfig) -> Path:
+    return Path(config.drafter) if config.drafter is not None else bundled_drafter_dir()
+
+
+def target_layer_ids(config: EngineConfig) -> tuple[int, ...] | None:
+    """The target layers whose outputs the drafter was trained on; None in mode 'ar' (no drafter).
+
+    Read from the drafter's config file, so a target worker never loads the drafter.
+    """
+    if config.mode == "ar":
+        return None
+    return DFlashConfig.from_json_file(drafter_dir(config) / "config.json").target_layer_ids
+
+
+def resolve_verify_backend(name: str, device: str) -> str:
+    """'auto' -> triton on CUDA when it imports, else torch; explicit names are checked."""
+    if name == "auto":
+        return "triton" if device.startswith("cuda") and backend_available("triton") else "torch"
+    if not backend_available(name):
+        raise ValueError(f"verify backend {name!r} is not available here")
+    return name
+
+
+def stage_timer(config: EngineConfig) -> StageTimer:
+    """The step timer: on when `record_timings`, syncing CUDA so GPU work lands in its stage."""
+    synchronize = torch.cuda.synchronize if config.device.startswith("cuda") else None
+    return StageTimer(enabled=config.record_timings, synchronize=synchronize)
+
+
+def build_target_step(config: EngineConfig, timer: StageTimer | None = None) -> TargetStep:
+    runner = TargetRunner.from_pretrained(
+        target_dir(config),
+        num_slots=config.max_num_seqs,
+        max_seq_len=config.max_seq_len,
+        device=config.device,
+        dtype=config.torch_dtype,
+        enforce_eager=config.enforce_eager,
+        target_layer_ids=target_layer_ids(config),
+    )
+    return TargetStep(runner, resolve_verify_backend(config.verify_backend, config.device), timer)
+
+
+def build_draft_step(config: EngineConfig, timer: StageTimer | None = None) -> DraftStep:
+    drafter = DFlashDrafter.from_pretrained(
+        drafter_dir(config),
+        target_dir(config),
+        num_slots=config.max_num_seqs,
+        max_seq_len=config.max_seq_len,
+        device=config.device,
+        dtype=config.torch_dtype,
+        enforce_eager=config.enforce_eager,
+    )
+    return DraftStep(drafter, timer)
+
+
+@dataclass(frozen=True)
+class TargetStepFactory:
+    """Builds the `TargetStep` of `config` where it is called (inside the TargetWorker)."""
+
+    config: EngineConfig
+
+    def __call__(self) -> TargetStep:
+        return build_target_step(self.config)
+
+
+@dataclass(frozen=True)
+class DraftStepFactory:
+    """Builds the `DraftStep` of `config` where it is called (inside the DrafterWorker)."""
+
+    config: EngineConfig
+
+    def __call__(self) -> DraftStep:
+        return build_draft_step(self.config)

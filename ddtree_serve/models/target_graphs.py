@@ -1,0 +1,174 @@
+"""The target's verify forward, eager or replayed from CUDA graphs per (batch, tokens, rows) bucket.
+
+`tree_verify_forward` is the one verify forward: the eager path (`TargetRunner.verify`) calls it
+with the batch as it is, `TargetGraphs` with the batch padded to a bucket. Plain decoding is the
+N = 1 bucket (a root-only tree), so it needs no graph of its own.
+
+Padding keeps every real row's result what it would be alone:
+  - padded nodes of a real row get token 0 at depth 0 and see only their own cache row
+    (`start + j`, past the row's real nodes): no real node's mask column points at them;
+  - padded batch rows use the cache's scratch slot at start 0, so their writes land in rows
+    no request owns, and no real row reads that slot;
+  - the attention reads a fixed number of cache rows (the row bucket); columns past a row's
+    prefix and tree are masked out, as they are in the eager width `max(starts) + N`.
+"""
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ddtree_serve.models.cuda_graphs import (
+    BATCH_BUCKETS,
+    TOKEN_BUCKETS,
+    StaticForward,
+    new_graph_pool,
+    pick_bucket,
+    row_bucket,
+)
+from ddtree_serve.models.families import TargetModel
+from ddtree_serve.models.kv_cache import CacheWriter, SlotIndex, SlotKVCache
+from ddtree_serve.models.qwen3 import context_features
+
+if TYPE_CHECKING:
+    from ddtree_serve.tree import VerifyBatch
+
+
+def tree_verify_forward(
+    model: TargetModel,
+    cache: SlotKVCache,
+    target_layer_ids: tuple[int, ...],
+    tokens: torch.Tensor,
+    depths: torch.Tensor,
+    starts: torch.Tensor,
+    slots: SlotIndex,
+    tree_mask: torch.Tensor,
+    num_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over every tree node -> (logits `[B, N, V]`, features `[B, N, F]`).
+
+    `tokens`, `depths` `[B, N]` (-1 padding is read as 0), `starts [B]` the slots' cached
+    lengths, `tree_mask [B, N, N]`. Node j of row b is written to cache row `starts[b] + j`
+    and sits at position `starts[b] + depths[b, j]`; it attends to its slot's prefix rows
+    `< starts[b]` and to the tree rows its mask allows. The mask has `num_rows` columns,
+    at least `max(starts) + N`. Device work only: a CUDA graph can capture it.
+    """
+    batch_size, num_nodes = tokens.shape
+    device = tokens.device
+    node_rows = starts[:, None] + torch.arange(num_nodes, device=device)  # [B, N] scratch rows
+    # columns: the slot's prefix rows < start, then its tree rows start + j per the tree mask
+    mask = (torch.arange(num_rows, device=device) < starts[:, None])[:, None, :]
+    mask = mask.expand(batch_size, num_nodes, num_rows).clone()  # [B, N, num_rows]
+    mask.scatter_(2, node_rows[:, None, :].expand(batch_size, num_nodes, num_nodes), tree_mask)
+    writer = CacheWriter(cache, slots, node_rows, num_rows)
+    positions = starts[:, None] + depths.clamp(min=0)
+    out = model(tokens.clamp(min=0), positions, mask, writer, target_layer_ids)
+    return model.logits(out.hidden), context_features(out, target_layer_ids)
+
+
+@dataclass
+class VerifyInputs:
+    """Static inputs of one (batch, tokens, rows) bucket."""
+
+    tokens: torch.Tensor  # [Bb, Nb] int64
+    depths: torch.Tensor  # [Bb, Nb] int64
+    starts_and_slots: torch.Tensor  # [2, Bb] int64: cached length, cache slot per row
+    tree_mask: torch.Tensor  # [Bb, Nb, Nb] bool
+    num_rows: int
+
+
+class TargetGraphs:
+    """Verify forwards of one `TargetRunner`, padded to buckets and replayed from graphs.
+
+    `capture=False` runs the padded forward eagerly (CPU tests, and the reference a replay
+    is compared with bit for bit).
+    """
+
+    def __init__(
+        self,
+        model: TargetModel,
+        cache: SlotKVCache,
+        target_layer_ids: tuple[int, ...],
+        *,
+        scratch_slot: int,
+        capture: bool,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.target_layer_ids = target_layer_ids
+        self.scratch_slot = scratch_slot
+        self.device = cache.device
+        self.forward = StaticForward(
+            self._new_inputs, self._forward, capture=capture, pool=new_graph_pool(self.device, capture)
+        )
+
+    def bucket(self, batch_size: int, num_nodes: int, max_start: int) -> tuple[int, int, int] | None:
+        """(padded batch, padded tokens, cache rows) for a call, or None when it runs eagerly."""
+        padded_batch = pick_bucket(batch_size, BATCH_BUCKETS)
+        padded_nodes = pick_bucket(num_nodes, TOKEN_BUCKETS)
+        if padded_batch is None or padded_nodes is None:
+            return None
+        num_rows = row_bucket(max_start + padded_nodes, self.cache.max_seq_len)
+        return None if num_rows is None else (padded_batch, padded_nodes, num_rows)
+
+    @torch.inference_mode()
+    def verify(
+        self, slots: Sequence[int], batch: "VerifyBatch", starts: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`TargetRunner.verify` from the bucket's graph -> views `[B, N, ...]`, or None (no bucket).
+
+        The views are valid until the next verify.
+        """
+        batch_size, num_nodes = batch.tokens.shape
+        key = self.bucket(batch_size, num_nodes, max(starts))
+        if key is None:
+            return None
+
+        def fill(inputs: VerifyInputs) -> None:
+            self._fill(inputs, slots, batch, starts)
+
+        logits, features = self.forward.run(key, fill)
+        return logits[:batch_size, :num_nodes], features[:batch_size, :num_nodes]
+
+    def _new_inputs(self, key: Hashable) -> VerifyInputs:
+        padded_batch, padded_nodes, num_rows = key  # type: ignore[misc]
+        shape = (padded_batch, padded_nodes)
+        return VerifyInputs(
+            tokens=torch.zeros(shape, dtype=torch.int64, device=self.device),
+            depths=torch.zeros(shape, dtype=torch.int64, device=self.device),
+            starts_and_slots=torch.zeros(2, padded_batch, dtype=torch.int64, device=self.device),
+            tree_mask=torch.zeros((*shape, padded_nodes), dtype=torch.bool, device=self.device),
+            num_rows=num_rows,
+        )
+
+    def _fill(
+        self, inputs: VerifyInputs, slots: Sequence[int], batch: "VerifyBatch", starts: Sequence[int]
+    ) -> None:
+        """Write one call into the bucket; padding as the module docstring says."""
+        batch_size, num_nodes = batch.tokens.shape
+        padded_batch = inputs.tokens.shape[0]
+        padding = padded_batch - batch_size
+        host = torch.tensor([[*starts, *[0] * padding], [*slots, *[self.scratch_slot] * padding]])
+        inputs.starts_and_slots.copy_(host, non_blocking=True)
+        inputs.tokens.zero_()
+        inputs.tokens[:batch_size, :num_nodes] = batch.tokens
+        inputs.depths.zero_()
+        inputs.depths[:batch_size, :num_nodes] = batch.depths
+        inputs.tree_mask.zero_()
+        inputs.tree_mask.diagonal(dim1=1, dim2=2).fill_(True)  # padded nodes see themselves
+        inputs.tree_mask[:batch_size, :num_nodes, :num_nodes] = batch.attn_mask
+
+    def _forward(self, inputs: VerifyInputs) -> tuple[torch.Tensor, ...]:
+        starts, slots = inputs.starts_and_slots
+        return tree_verify_forward(
+            self.model,
+            self.cache,
+            self.target_layer_ids,
+            inputs.tokens,
+            inputs.depths,
+            starts,
+            SlotIndex.of_rows(slots),
+            inputs.tree_mask,
+            inputs.num_rows,
+        )
