@@ -116,12 +116,26 @@ def test_policy_learns_from_what_verification_accepted():
     logp, ids = random_draft(0)
     tree = build_ddtree(logp, ids, 16, root_token=7)
     policy = AdaptiveBudget(linear_curve(4.0, 0.3, draft_ms=1.0), layout="packed")
-    first = policy.choose([tree], [16], draft_ms=1.0)
+    first = policy.choose([tree], [16])
     for _ in range(60):
-        allocation = policy.choose([tree], [16], draft_ms=1.0)
-        verified = tree_prefix(tree, allocation.num_nodes[0])
-        policy.observe([verified], [[]], verify_ms=5.0, draft_ms=1.0)
-    last = policy.choose([tree], [16], draft_ms=1.0)
+        policy.should_draft([16])  # starts the step; this test drafts whatever the gate says
+        policy.record_draft_ms(1.0)
+        allocation = policy.choose([tree], [16])
+        policy.record_verify_ms(5.0)
+        record = policy.observe([tree_prefix(tree, allocation.num_nodes[0])], [[]])
+        assert record.drafted and record.accepted == 0
+        assert record.predicted_accepted == pytest.approx(sum(allocation.expected_accepted))
+    last = policy.choose([tree], [16])
     assert sum(last.expected_accepted) < 0.5 * sum(first.expected_accepted)
     assert last.num_nodes[0] <= first.num_nodes[0]
-    assert policy.last_step is not None and policy.last_step.accepted == 0
+
+
+def test_a_plain_step_teaches_the_cost_curve_only():
+    policy = AdaptiveBudget(linear_curve(4.0, 0.3, draft_ms=1.0))
+    calibrated_before = policy.calibrator.calibrate(np.array([0.5]))
+    policy.should_draft([8])
+    policy.record_verify_ms(50.0)
+    record = policy.observe([tree_prefix(build_ddtree(*random_draft(1), 8, 3), 0)], [[]])
+    assert not record.drafted and record.num_nodes == (0,)
+    assert float(policy.cost.verify_ms(1, 1)) > 4.3  # pulled toward the 50 ms it measured
+    np.testing.assert_array_equal(policy.calibrator.calibrate(np.array([0.5])), calibrated_before)

@@ -98,6 +98,20 @@ def test_measurement_covers_the_grid_and_reproduces_the_probe():
         assert curve.draft_ms(batch_size) == pytest.approx(0.5 * batch_size)
 
 
+class NoisyProbe(LinearProbe):
+    """Every run of one shape is slowed by other work on the machine."""
+
+    def verify_ms(self, batch_size: int, tree_nodes: int) -> float:
+        slowdown = 50.0 if (batch_size, tree_nodes) == (2, 8) else 0.0
+        return super().verify_ms(batch_size, tree_nodes) + slowdown
+
+
+def test_a_slow_outlier_never_makes_a_larger_tree_look_cheaper():
+    curve = measure_cost_curve(NoisyProbe(), [1, 2], [1, 8, 33], repeats=2)
+    for row in curve.grid_ms:
+        assert np.all(np.diff(row) >= 0)
+
+
 def test_default_buckets_end_at_the_limit():
     assert powers_of_two_upto(33) == [1, 2, 4, 8, 16, 32, 33]
     assert powers_of_two_upto(8) == [1, 2, 4, 8]

@@ -4,7 +4,12 @@ from ddtree_serve.engine.budget.allocator import Allocation, TokenLayout, alloca
 from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve, load_cost_curve
 from ddtree_serve.engine.budget.draft_gate import DraftGate
-from ddtree_serve.engine.budget.measure import CostProbe, measure_cost_curve, powers_of_two_upto
+from ddtree_serve.engine.budget.measure import (
+    CostProbe,
+    ModelCostProbe,
+    measure_cost_curve,
+    powers_of_two_upto,
+)
 from ddtree_serve.engine.budget.policy import AdaptiveBudget, BudgetStep, tree_prefix
 
 __all__ = [
@@ -15,6 +20,7 @@ __all__ = [
     "CostCurve",
     "CostProbe",
     "DraftGate",
+    "ModelCostProbe",
     "TokenLayout",
     "allocate",
     "load_cost_curve",

@@ -19,6 +19,8 @@ prefix stays ancestor-closed.
 
 import numpy as np
 
+from ddtree_serve.engine.budget.isotonic import isotonic_increasing
+
 _LOGIT_LIMIT = 8.0  # bins span logit(p) in [-8, 8]: p from 3e-4 to 1 - 3e-4
 
 
@@ -77,25 +79,10 @@ class AcceptanceCalibrator:
             prior_mass = self.prior_weight * self._centres
             mean_probs = (self._prob_sum + prior_mass) / weights
             rates = (self._num_accepted + prior_mass) / weights
-            monotone = np.clip(_isotonic(rates, weights), 0.0, 1.0)  # bins ascend in p already
+            monotone = np.clip(isotonic_increasing(rates, weights), 0.0, 1.0)  # bins ascend in p already
             # Anchored at (0, 0): a node the drafter gives no chance is never counted on.
             self._table = (np.concatenate(([0.0], mean_probs)), np.concatenate(([0.0], monotone)))
         return self._table
-
-
-def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for value, weight in zip(values.tolist(), weights.tolist(), strict=True):
-        blocks.append([value, weight, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, weight_b, length = blocks.pop()
-            previous = blocks[-1]
-            total = previous[1] + weight_b
-            previous[0] = (previous[0] * previous[1] + mean * weight_b) / total
-            previous[1] = total
-            previous[2] += length
-    return np.concatenate([np.full(int(length), mean) for mean, _, length in blocks])
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

@@ -1,9 +1,12 @@
 """`AdaptiveBudget`: the engine's per-step budget choice, from calibration, cost and the gate.
 
-Per step the engine asks, in pipeline order:
-    should_draft(caps)                  before drafting (False: a plain decode step)
-    choose(trees, caps, draft_ms)       after building each tree at its ceiling: nodes per request
-    observe(trees, accepted, ...)       after verification: calibration and cost refresh
+One step calls, in pipeline order (the policy holds the step's figures in between):
+    should_draft(caps)            before drafting; False = a plain decode step (root-only trees)
+    record_draft_ms(ms)           after the drafter call, when there was one
+    choose(trees, caps)           trees built at their ceiling -> draft nodes per request
+    record_verify_ms(ms)          after the verify call
+    observe(trees, accepted)      the verified trees and their accepted nodes: calibration,
+                                  cost refresh and the step's `BudgetStep` record
 The trees verified are `tree_prefix(tree, n)` of the ones built, so the choice reads drafter
 outputs only and verification stays lossless.
 """
@@ -43,56 +46,59 @@ class AdaptiveBudget:
         self.cost = cost
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.gate = gate or DraftGate()
-        self.layout = layout
+        self.layout = layout  # the engine pads every tree of a batch to the widest
         self.last_step: BudgetStep | None = None
-        self._pending: Allocation | None = None
+        self._draft_ms: float | None = None
+        self._verify_ms: float | None = None
+        self._allocation: Allocation | None = None
 
     def should_draft(self, caps: Sequence[int]) -> bool:
-        drafted = self.gate.decide(caps, self.cost, self.layout)
-        if not drafted:
-            self._pending = None
-        return drafted
+        """Starts a step: draft (True) or decode plainly, from recent acceptance and the cost."""
+        self._draft_ms = self._verify_ms = self._allocation = None
+        return self.gate.decide(caps, self.cost, self.layout)
 
-    def choose(self, trees: Sequence[DraftTree], caps: Sequence[int], draft_ms: float) -> Allocation:
-        """Nodes per request for trees built at their ceiling (`caps[i]` draft nodes at most)."""
+    def record_draft_ms(self, draft_ms: float) -> None:
+        self._draft_ms = draft_ms
+
+    def record_verify_ms(self, verify_ms: float) -> None:
+        self._verify_ms = verify_ms
+
+    def choose(self, trees: Sequence[DraftTree], caps: Sequence[int]) -> Allocation:
+        """Draft nodes per request for trees built at their ceiling (`caps[i]` at most)."""
         accept_probs = [self.calibrator.calibrate(np.exp(tree.logws[1:])) for tree in trees]
         self.gate.record_curve(accept_probs)
-        allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
-        self._pending = allocation
-        return allocation
+        draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
+        self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
+        return self._allocation
 
-    def observe(
-        self,
-        trees: Sequence[DraftTree],
-        accepted_nodes: Sequence[Sequence[int]],
-        verify_ms: float,
-        draft_ms: float | None,
-    ) -> None:
-        """The verified (truncated) trees, each one's accepted draft nodes (root excluded), the times.
+    def observe(self, trees: Sequence[DraftTree], accepted_nodes: Sequence[Sequence[int]]) -> BudgetStep:
+        """Ends a step: the verified trees and each one's accepted draft nodes (root excluded).
 
-        `draft_ms` is None for a step that did not draft: only the cost curve learns from it.
+        Only drafted steps teach the calibrator; every timed call refreshes the cost curve.
         """
         batch_size = len(trees)
-        target_tokens = batch_size * max(tree.num_nodes for tree in trees)  # padded verify batch
-        self.cost.observe_verify(batch_size, target_tokens, verify_ms)
-        if draft_ms is not None:
-            self.cost.observe_draft(batch_size, draft_ms)
-        probs, hits = [], []
-        for tree, nodes in zip(trees, accepted_nodes, strict=True):
-            hit = np.zeros(tree.num_nodes, dtype=bool)
-            hit[list(nodes)] = True  # node indices count from the root (0)
-            probs.append(np.exp(tree.logws[1:]))
-            hits.append(hit[1:])
-        if draft_ms is not None:
+        drafted = self._allocation is not None
+        if self._verify_ms is not None:
+            target_tokens = batch_size * max(tree.num_nodes for tree in trees)  # padded verify batch
+            self.cost.observe_verify(batch_size, target_tokens, self._verify_ms)
+        if self._draft_ms is not None:
+            self.cost.observe_draft(batch_size, self._draft_ms)
+        if drafted:
+            probs, hits = [], []
+            for tree, nodes in zip(trees, accepted_nodes, strict=True):
+                hit = np.zeros(tree.num_nodes, dtype=bool)
+                hit[list(nodes)] = True  # node indices count from the root (0)
+                probs.append(np.exp(tree.logws[1:]))
+                hits.append(hit[1:])
             self.calibrator.observe(np.concatenate(probs), np.concatenate(hits))
-        allocation = self._pending
         self.last_step = BudgetStep(
-            drafted=draft_ms is not None,
+            drafted=drafted,
             num_nodes=tuple(tree.num_nodes - 1 for tree in trees),
-            predicted_accepted=0.0 if allocation is None else sum(allocation.expected_accepted),
+            predicted_accepted=sum(self._allocation.expected_accepted) if drafted else 0.0,
             accepted=sum(len(nodes) for nodes in accepted_nodes),
         )
-        self._pending = None
+        self._draft_ms = self._verify_ms = self._allocation = None
+        return self.last_step
 
 
 def tree_prefix(tree: DraftTree, num_draft_nodes: int) -> DraftTree:
