@@ -67,6 +67,7 @@ class GrpcAdapter(IngressCore):
             stop=(*sampling_message.stop, *extra_stop),
             seed=sampling_message.seed if has("seed") else None,
             ignore_eos=sampling_message.ignore_eos,
+            draft_budget=sampling_message.draft_budget if has("draft_budget") else None,
         )
         metadata = dict(context.invocation_metadata())
         request_id = (

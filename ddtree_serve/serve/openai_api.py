@@ -21,7 +21,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints (OpenAI names; `top_k`, `ignore_eos` are extensions)."""
+    """Fields shared by both endpoints (OpenAI names; `top_k`, `ignore_eos`, `draft_budget` are
+    extensions: `draft_budget` caps the request's draft tree nodes per step, below the engine's)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -37,6 +38,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False
+    draft_budget: int | None = None
     # Known OpenAI fields the engine cannot honour: refused unless neutral, never silently dropped.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -67,6 +69,7 @@ class _SamplingFields(BaseModel):
             stop=stop + extra_stop,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            draft_budget=self.draft_budget,
         )
 
     @property
@@ -129,6 +132,7 @@ def build_sampling_params(
     stop: tuple[str, ...],
     seed: int | None,
     ignore_eos: bool,
+    draft_budget: int | None = None,
 ) -> SamplingParams:
     """`SamplingParams` from optional wire fields over the server defaults; errors -> 400."""
     try:
@@ -140,6 +144,7 @@ def build_sampling_params(
             stop=stop,
             seed=seed,
             ignore_eos=ignore_eos,
+            draft_budget=draft_budget,
         )
     except ValueError as error:
         raise invalid(str(error)) from error

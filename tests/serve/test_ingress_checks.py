@@ -72,3 +72,25 @@ def test_a_seed_beyond_64_bits_is_refused_naming_the_seed() -> None:
     with pytest.raises(RequestError) as raised:
         CompletionRequest(prompt="hi", seed=2**64).sampling_params(DEFAULTS)
     assert raised.value.param == "seed"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_draft_budget_extension_reaches_the_sampling_params(endpoint: str) -> None:
+    make = (
+        (lambda **f: CompletionRequest(prompt="hi", **f))
+        if endpoint == "completions"
+        else (lambda **f: ChatCompletionRequest(**CHAT, **f))
+    )
+    assert make(draft_budget=8).sampling_params(DEFAULTS).draft_budget == 8
+    assert make().sampling_params(DEFAULTS).draft_budget is None
+    with pytest.raises(RequestError, match="draft_budget") as raised:
+        make(draft_budget=0).sampling_params(DEFAULTS)
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+def test_grpc_draft_budget_reaches_the_sampling_params() -> None:
+    adapter = GrpcAdapter(coordinator=None, config=ServeConfig())  # type: ignore[arg-type]
+    with_budget = pb2.GenerateRequest(prompt="hi", sampling=pb2.SamplingParams(draft_budget=4))
+    assert adapter._grpc_request(with_budget, _Context()).sampling.draft_budget == 4
+    unset = pb2.GenerateRequest(prompt="hi")
+    assert adapter._grpc_request(unset, _Context()).sampling.draft_budget is None
