@@ -177,7 +177,9 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep]]:
                 engine_target = RecordingTarget(target, recorder)
                 engine_drafter = RecordingDrafter(drafter, recorder)
             config = base.model_copy(update={"budget": budget})
-            configs.append((f"ddtree-{budget}", _engine(config, "fixed", engine_target, engine_drafter, tokenizer)))
+            configs.append(
+                (f"ddtree-{budget}", _engine(config, "fixed", engine_target, engine_drafter, tokenizer))
+            )
         adaptive = SpecEngine(_settings(base, "adaptive", str(cost_path)), target, drafter, tokenizer)
         configs.append(("adaptive", adaptive))
         row: dict = {"concurrency": concurrency}
@@ -231,7 +233,9 @@ def run_simulation(args: argparse.Namespace, traces: list[TraceStep]) -> list[di
             tokens, ms = 0.0, 0.0
             for batch in steps:
                 tokens += sum(_accepted_within(step, budget) + 1 for step in batch)
-                ms += cost.draft_ms(concurrency) + float(cost.verify_ms(concurrency, concurrency * (budget + 1)))
+                ms += cost.draft_ms(concurrency) + float(
+                    cost.verify_ms(concurrency, concurrency * (budget + 1))
+                )
             row[f"ddtree-{budget}"] = 1000.0 * tokens / ms
         row["adaptive"] = _simulate_adaptive(steps, _simulation_cost(args), max(budgets))
         rows.append(row)
@@ -247,25 +251,26 @@ def _simulation_cost(args: argparse.Namespace) -> CostCurve:
 
 
 def _simulate_adaptive(steps: list[list[TraceStep]], cost: CostCurve, ceiling: int) -> float:
+    """The engine's own `AdaptiveBudget` per simulated step; times are the curve's predictions."""
     policy = AdaptiveBudget(cost)
     tokens, ms = 0.0, 0.0
     for batch in steps:
         caps = [ceiling] * len(batch)
-        if not policy.should_draft(caps):
-            verify_ms = float(cost.verify_ms(len(batch), len(batch)))
-            roots = [tree_prefix(step.tree, 0) for step in batch]
-            policy.observe(roots, [()] * len(batch), verify_ms, None)
-            tokens, ms = tokens + len(batch), ms + verify_ms
-            continue
-        draft_ms = cost.draft_ms(len(batch))
-        allocation = policy.choose([step.tree for step in batch], caps, draft_ms)
-        trees = [tree_prefix(step.tree, n) for step, n in zip(batch, allocation.num_nodes, strict=True)]
+        if policy.should_draft(caps):
+            draft_ms = cost.draft_ms(len(batch))
+            policy.record_draft_ms(draft_ms)
+            allocation = policy.choose([step.tree for step in batch], caps)
+            num_nodes = allocation.num_nodes
+        else:
+            draft_ms, num_nodes = 0.0, (0,) * len(batch)
+        trees = [tree_prefix(step.tree, n) for step, n in zip(batch, num_nodes, strict=True)]
         accepted = [
             tuple(node for node in step.accepted if node <= n)
-            for step, n in zip(batch, allocation.num_nodes, strict=True)
+            for step, n in zip(batch, num_nodes, strict=True)
         ]
         verify_ms = float(cost.verify_ms(len(batch), len(batch) * max(t.num_nodes for t in trees)))
-        policy.observe(trees, accepted, verify_ms, draft_ms)
+        policy.record_verify_ms(verify_ms)
+        policy.observe(trees, accepted)
         tokens += sum(len(a) + 1 for a in accepted)
         ms += draft_ms + verify_ms
     return 1000.0 * tokens / ms
@@ -299,9 +304,8 @@ def markdown_table(rows: list[dict], title: str) -> str:
     for row in rows:
         best = max(row["ar"], *(row[n] for n in fixed))
         cells = " | ".join(f"{row[n]:.1f}" for n in names)
-        lines.append(
-            f"| {row['concurrency']} | {cells} | {row['adaptive'] / best:.2f} | {row['adaptive'] / row['ar']:.2f} |"
-        )
+        ratios = f"{row['adaptive'] / best:.2f} | {row['adaptive'] / row['ar']:.2f}"
+        lines.append(f"| {row['concurrency']} | {cells} | {ratios} |")
     return "\n".join(lines) + "\n"
 
 
@@ -329,18 +333,28 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", default=None, help="target model dir (default: bundled)")
     parser.add_argument("--drafter", default=None, help="DFlash drafter dir (default: bundled)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="comma-separated")
-    parser.add_argument("--budgets", default="8,32,64", help="fixed DDTree budgets; the largest is the ceiling")
+    parser.add_argument(
+        "--budgets", default="8,32,64", help="fixed DDTree budgets; the largest is the ceiling"
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--max-seq-len", type=int, default=512)
-    parser.add_argument("--simulate-cost", type=Path, default=None, help="cost curve JSON: simulate, run no model")
-    parser.add_argument("--traces", type=Path, default=OUT_DIR / "budget_traces.json", help="acceptance traces")
-    parser.add_argument("--draft-ms", type=float, default=None, help="simulation: drafter ms (default: the file's)")
+    parser.add_argument(
+        "--simulate-cost", type=Path, default=None, help="cost curve JSON: simulate, run no model"
+    )
+    parser.add_argument(
+        "--traces", type=Path, default=OUT_DIR / "budget_traces.json", help="acceptance traces"
+    )
+    parser.add_argument(
+        "--draft-ms", type=float, default=None, help="simulation: drafter ms (default: the file's)"
+    )
     parser.add_argument("--sim-steps", type=int, default=200, help="simulated steps per concurrency")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
@@ -354,12 +368,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.simulate_cost is None:
         rows, traces = run_live(args)
         args.traces.write_text(json.dumps([t.as_json() for t in traces]) + "\n")
-        title, stem = f"Budget sweep, {args.device} {args.dtype}, {args.max_tokens} new tokens", "budget_sweep"
+        title, stem = (
+            f"Budget sweep, {args.device} {args.dtype}, {args.max_tokens} new tokens",
+            "budget_sweep",
+        )
     else:
         if not args.traces.exists():
             raise SystemExit(f"no traces at {args.traces}: run the live sweep first (it records them)")
         traces = [TraceStep.from_json(t) for t in json.loads(args.traces.read_text())]
-        draft_ms = args.draft_ms if args.draft_ms is not None else load_cost_curve(args.simulate_cost).draft_ms(1)
+        draft_ms = (
+            args.draft_ms if args.draft_ms is not None else load_cost_curve(args.simulate_cost).draft_ms(1)
+        )
         title = (
             f"SIMULATION: {len(traces)} recorded bundled-drafter steps x cost {args.simulate_cost.name}"
             f" (draft {draft_ms:g} ms)"
@@ -368,7 +387,9 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown_table(rows, title)
     print("\n" + table)
     (args.out_dir / f"{stem}.md").write_text(table)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, default=str) + "\n")
+    (args.out_dir / f"{stem}.json").write_text(
+        json.dumps({"args": vars(args), "rows": rows}, default=str) + "\n"
+    )
     plot(rows, args.out_dir / f"{stem}.png", title)
     print(f"wrote {args.out_dir / stem}.{{md,json,png}}")
 
