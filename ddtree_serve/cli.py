@@ -157,7 +157,7 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             ignore_eos=args.ignore_eos,
         )
     except (pydantic.ValidationError, ValueError) as error:
-        parser.error(_one_line(error))
+        parser.error(one_line_error(error))
     if problem := config.missing_model_dir():
         parser.error(f"--{problem}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -172,9 +172,9 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         final = _stream(llm, prompt, params, echo=not args.json)
         seconds = time.perf_counter() - start
     except FileNotFoundError as error:
-        parser.exit(2, f"ddtree-serve generate: error: {_one_line(error)} (pass --target/--drafter)\n")
+        parser.exit(2, f"ddtree-serve generate: error: {one_line_error(error)} (pass --target/--drafter)\n")
     except (ValueError, RuntimeError) as error:
-        parser.exit(2, f"ddtree-serve generate: error: {_one_line(error)}\n")
+        parser.exit(2, f"ddtree-serve generate: error: {one_line_error(error)}\n")
     stats: dict[str, Any] = {**final.stats.as_dict(), "finish_reason": final.finish_reason}
     stats["tokens_per_second"] = len(final.token_ids) / seconds if seconds > 0 else 0.0
     if args.json:
@@ -207,7 +207,7 @@ def _stream(llm: Any, prompt: str, params: Any, echo: bool) -> Any:
     return final
 
 
-def _one_line(error: Exception) -> str:
+def one_line_error(error: Exception) -> str:
     """Pydantic's multi-line report (or any message) as one line a terminal user can act on."""
     if isinstance(error, pydantic.ValidationError):
         return "; ".join(

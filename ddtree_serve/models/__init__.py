@@ -9,11 +9,11 @@ from ddtree_serve.models.loading import (
     bundled_target_dir,
     load_draft_model,
     load_target_model,
-    load_tokenizer,
     save_model_dir,
 )
 from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from ddtree_serve.models.runner import TargetRunner
+from ddtree_serve.models.tokenizer import load_tokenizer
 
 __all__ = [
     "DFlashConfig",

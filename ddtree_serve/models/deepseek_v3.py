@@ -1,5 +1,13 @@
 """The DeepseekV3 family (DeepSeek-V3, Kimi K2.x): MLA attention, DeepSeek MoE, YaRN RoPE.
 
+Three directory layouts load here: `deepseek_v3` and `kimi_k2` (the decoder config at the top
+level, keys `model.*` / `lm_head.*`) and Kimi K2.5 / K2.6 as Moonshot ships them, `kimi_k25`
+(`KimiK25ForConditionalGeneration`: the decoder config under `text_config`, the language model's
+keys under `language_model.`, a MoonViT `vision_config` whose `vision_tower.*` and
+`mm_projector.*` tensors are never read; `has_vision_tower` tells the serving layer to refuse
+images). A compressed-tensors `pack-quantized` INT4 `quantization_config` (Kimi's routed
+experts) builds `Int4Experts`, which keep the packed weights; other schemes are refused.
+
 Module names and the forward contract mirror `qwen3.py` (HF's `model.embed_tokens`,
 `model.layers.N.self_attn.kv_b_proj`, `model.layers.N.mlp.experts.E.up_proj`, ...), so the same
 `TargetRunner` serves it: prefill, tree verify over a cached prefix, commit and context features
@@ -20,15 +28,14 @@ What was checked (tests/models/test_deepseek_v3.py, float32, CPU, random tiny co
 first layers, grouped routing, `q_lora_rank` set and null, YaRN and plain RoPE): logits and
 context features equal transformers' `DeepseekV3ForCausalLM` through the runner's prefill and
 decode, and tree verify equals decoding each node's path. Not done for real Kimi K2.6
-checkpoints (none was loaded here): quantized weights (any `quantization_config`, e.g. int4
-compressed-tensors or FP8 block scales) are refused at config parsing, not dequantized; the
-tiktoken-based tokenizer (`tiktoken.model` + custom code) is not loaded (`load_tokenizer` reads
-only `tokenizer.json`); a multimodal wrapper config that nests the decoder under `text_config`
-is not read; no tensor or expert parallelism, so the whole model must fit one device; no
-multi-token-prediction (MTP) layers (their checkpoint keys are skipped).
+checkpoints (none was loaded here): quantized weights other than pack-quantized INT4 experts (e.g.
+FP8 block scales) are refused at config parsing; no tensor or expert parallelism, so the whole
+model must fit one device; no multi-token-prediction (MTP) layers (their checkpoint keys are
+skipped). tests/models/test_kimi_k25.py checks a tiny `kimi_k25` directory with INT4 experts
+against transformers' DeepseekV3 on the dequantized weights.
 """
 
-import math
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,15 +44,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree_serve.models.int4_experts import stack_int4_expert_tensors
 from ddtree_serve.models.kv_cache import KVLayout
-from ddtree_serve.models.layers import MLP, KVStore, PreNormBlock, RMSNorm, RotaryEmbedding, apply_rope
+from ddtree_serve.models.layers import MLP, KVStore, PreNormBlock, RMSNorm, apply_rope
 from ddtree_serve.models.moe import MoE, MoEShape
+from ddtree_serve.models.quantization import (
+    PackedInt4Scheme,
+    UnsupportedQuantizationError,
+    parse_quantization_config,
+)
 from ddtree_serve.models.qwen3 import CausalLM
+from ddtree_serve.models.rope import rotary_embedding, yarn_softmax_factor
 
-MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+# decoder configs, and the Kimi K2.5 / K2.6 wrapper that nests one under `text_config`
+DECODER_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+KIMI_K25_MODEL_TYPE = "kimi_k25"
+MODEL_TYPES = (*DECODER_MODEL_TYPES, KIMI_K25_MODEL_TYPE)
+KIMI_K25_WEIGHT_PREFIX = "language_model."
 # DeepSeek's latent norms use a fixed epsilon, not the config's rms_norm_eps
 _LATENT_NORM_EPS = 1e-6
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+_INT4_PACKED_SUFFIX = ".weight_packed"
+_INT4_SHAPE_SUFFIX = ".weight_shape"
 # the router stays float32 in every model dtype (HF keeps these two in float32 as well)
 _FLOAT32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
@@ -84,21 +104,26 @@ class DeepseekV3Config:
     attention_bias: bool = False
     model_type: str = "deepseek_v3"
     eos_token_ids: tuple[int, ...] = ()
+    quantization: PackedInt4Scheme | None = None  # INT4 routed experts; None = unquantized
+    weight_prefix: str = ""  # the language model's key prefix ("language_model." for kimi_k25)
+    has_vision_tower: bool = False  # the checkpoint carries a vision encoder this model does not run
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "DeepseekV3Config":
         """Parse an HF config dict (4.x `rope_scaling` + `rope_theta` or 5.x `rope_parameters`).
 
-        Refuses what the model would silently get wrong: quantized checkpoints, other
-        activations, softmax routing (DeepSeek-V2), MoE layers at a stride, non-YaRN scaling.
+        A `kimi_k25` wrapper is parsed through its `text_config` (a `quantization_config` may sit
+        at either level). Refuses what the model would silently get wrong: quantization schemes
+        other than pack-quantized INT4, other activations, softmax routing (DeepSeek-V2), MoE
+        layers at a stride, non-YaRN scaling.
         """
         model_type = cfg.get("model_type", "deepseek_v3")
-        if model_type not in MODEL_TYPES:
+        if model_type == KIMI_K25_MODEL_TYPE:
+            return cls._from_kimi_k25(cfg)
+        if model_type not in DECODER_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: {list(MODEL_TYPES)})")
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method", "?")
-            raise ValueError(f"quantized checkpoints ({method}) are not supported; use bf16 weights")
+        quantization = parse_quantization_config(cfg.get("quantization_config"))
         expected = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
         for key, value in expected.items():
             if cfg.get(key, value) != value:
@@ -141,6 +166,30 @@ class DeepseekV3Config:
             attention_bias=bool(cfg.get("attention_bias", False)),
             model_type=model_type,
             eos_token_ids=eos_ids,
+            quantization=quantization,
+            raw=dict(cfg),
+        )
+
+    @classmethod
+    def _from_kimi_k25(cls, cfg: dict[str, Any]) -> "DeepseekV3Config":
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("kimi_k25 config without a text_config")
+        text = {**text, "model_type": text.get("model_type") or "kimi_k2"}
+        if text["model_type"] not in DECODER_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported kimi_k25 text_config model_type {text['model_type']!r} "
+                f"(supported: {list(DECODER_MODEL_TYPES)})"
+            )
+        if "quantization_config" not in text and cfg.get("quantization_config"):
+            text["quantization_config"] = cfg["quantization_config"]
+        if "eos_token_id" not in text and cfg.get("eos_token_id") is not None:
+            text["eos_token_id"] = cfg["eos_token_id"]
+        decoder = cls.from_dict(text)
+        return dataclasses.replace(
+            decoder,
+            weight_prefix=KIMI_K25_WEIGHT_PREFIX,
+            has_vision_tower=bool(cfg.get("vision_config")),
             raw=dict(cfg),
         )
 
@@ -170,75 +219,53 @@ class DeepseekV3Config:
 def checkpoint_tensor_dtype(config: DeepseekV3Config, key: str, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype to load checkpoint tensor `key` in, or None to skip it.
 
-    Skipped: layers past `num_hidden_layers` (DeepSeek-V3's MTP module is stored as layer 61).
-    Router weights and correction biases load in float32 (see `_FLOAT32_SUFFIXES`).
+    Skipped: keys outside `weight_prefix` (a kimi_k25 vision tower and projector), and layers past
+    `num_hidden_layers` (DeepSeek-V3's MTP module is stored as layer 61). Router weights and
+    correction biases load in float32 (see `_FLOAT32_SUFFIXES`); packed INT4 words stay int32.
     """
+    if not key.startswith(config.weight_prefix):
+        return None
+    key = key.removeprefix(config.weight_prefix)
     match = _LAYER_KEY.match(key)
     if match is not None and int(match.group(1)) >= config.num_hidden_layers:
         return None
+    if key.endswith(_INT4_PACKED_SUFFIX):
+        return torch.int32
+    if key.endswith(_INT4_SHAPE_SUFFIX):
+        return torch.int64
     return torch.float32 if key.endswith(_FLOAT32_SUFFIXES) else dtype
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction for a context stretched `scale` times (1 when not stretched)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+def prepare_checkpoint_tensors(
+    config: DeepseekV3Config, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (already filtered by `checkpoint_tensor_dtype`) -> the model's state dict.
 
-
-def yarn_frequencies(dim: int, theta: float, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:
-    """YaRN inverse frequencies `[dim // 2]` (float32) and the cos/sin attention factor.
-
-    Frequencies whose wavelength fits the original context many times (more than `beta_fast`
-    rotations) are kept, those with fewer than `beta_slow` rotations are divided by `factor`,
-    and a linear ramp blends the band between.
+    Strips `weight_prefix` and stacks packed INT4 experts into `Int4Experts` buffers; a packed
+    tensor anywhere but the routed experts is refused (only they are INT4 in Kimi checkpoints).
     """
-    original = float(scaling["original_max_position_embeddings"])
-    factor = float(scaling.get("factor") or max_positions / original)
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = _yarn_mscale(factor)
-    beta_fast = float(scaling.get("beta_fast") or 32)
-    beta_slow = float(scaling.get("beta_slow") or 1)
-
-    def dim_of(num_rotations: float) -> float:  # the dimension that turns num_rotations times
-        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = dim_of(beta_fast), dim_of(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    # on the CPU even when the model is built on the meta device (see `RotaryEmbedding`)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
-    inv_freq = (1.0 / (factor * base)) * ramp + (1.0 / base) * (1 - ramp)
-    return inv_freq, float(attention_factor)
+    prefix = config.weight_prefix
+    renamed = {key.removeprefix(prefix): tensors.pop(key) for key in list(tensors)}
+    if config.quantization is None:
+        if any(key.endswith(_INT4_PACKED_SUFFIX) for key in renamed):
+            raise UnsupportedQuantizationError("packed INT4 tensors but no quantization_config")
+        return renamed
+    stacked = stack_int4_expert_tensors(renamed, config.hidden_size, config.moe_intermediate_size)
+    leftover = sorted(key for key in stacked if key.endswith((_INT4_PACKED_SUFFIX, _INT4_SHAPE_SUFFIX)))
+    if leftover:
+        raise UnsupportedQuantizationError(
+            f"packed INT4 weights outside the routed experts are not supported (e.g. {prefix}{leftover[0]})"
+        )
+    return stacked
 
 
-class YarnRotaryEmbedding(RotaryEmbedding):
-    """`RotaryEmbedding` with YaRN frequencies and cos/sin scaled by YaRN's attention factor."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict, max_positions: int) -> None:
-        super().__init__(head_dim, theta)
-        # replaces the plain frequencies before any device copy of them is made
-        self._inv_freq_cpu, self.attention_factor = yarn_frequencies(head_dim, theta, scaling, max_positions)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = super().forward(positions, torch.float32)
-        return (cos * self.attention_factor).to(dtype), (sin * self.attention_factor).to(dtype)
+def checkpoint_prefix(config: DeepseekV3Config) -> str:
+    return config.weight_prefix
 
 
 def softmax_scale(config: DeepseekV3Config) -> float:
     """`1/sqrt(qk_head_dim)`, times YaRN's `mscale(factor, mscale_all_dim)` squared when set."""
-    scale = config.qk_head_dim**-0.5
-    mscale_all_dim = (config.rope_scaling or {}).get("mscale_all_dim")
-    if mscale_all_dim:
-        scale *= _yarn_mscale(float(config.rope_scaling["factor"]), float(mscale_all_dim)) ** 2
-    return scale
+    return config.qk_head_dim**-0.5 * yarn_softmax_factor(config.rope_scaling)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -317,7 +344,7 @@ class DeepseekV3DecoderLayer(PreNormBlock):
         if layer_idx < config.first_k_dense_replace:
             self.mlp: nn.Module = MLP(config.hidden_size, config.intermediate_size)
         else:
-            self.mlp = MoE(config.moe_shape())
+            self.mlp = MoE(config.moe_shape(), config.quantization)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -332,15 +359,9 @@ class DeepseekV3Model(nn.Module):
             DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.rope_scaling is None:
-            self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta)
-        else:
-            self.rotary_emb = YarnRotaryEmbedding(
-                config.qk_rope_head_dim,
-                config.rope_theta,
-                config.rope_scaling,
-                config.max_position_embeddings,
-            )
+        self.rotary_emb = rotary_embedding(
+            config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -348,3 +369,8 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__(config, DeepseekV3Model(config))
+
+    @property
+    def has_vision_tower(self) -> bool:
+        """The checkpoint is multimodal; only its text path is loaded, so images must be refused."""
+        return self.config.has_vision_tower

@@ -13,6 +13,9 @@ Attention of one drafter layer (as in z-lab's `Qwen3DFlashAttention`):
     are projected from the same normed block states as the queries;
   - the block is non-causal: every block position sees the whole block.
 
+The Kimi K2.6 drafter is this layout with 6 layers (taps at target layers 1, 12, 24, 35, 47, 58),
+block size 8 and DeepSeek-YaRN rope (`models/rope.py`), all read from its `config.json`.
+
 Training use (stateless, batched, any mask): embed the block tokens with the target's
 embedding, then `draft_model(noise_embeds [B, Q, H], positions [B, Q], mask [B, Q, C + Q],
 context_features [B, C, F], context_positions [B, C])` returns hidden states `[B, Q, H]`; map
@@ -29,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddtree_serve.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from ddtree_serve.models.layers import DecoderLayer, RMSNorm
 from ddtree_serve.models.qwen3 import Qwen3Config
+from ddtree_serve.models.rope import rotary_embedding
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -100,7 +104,11 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(config.feature_dim, dec.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(dec.hidden_size, dec.rms_norm_eps)
         self.norm = RMSNorm(dec.hidden_size, dec.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(dec.head_dim, dec.rope_theta, dec.rope_scaling)
+        # plain, Llama-3 or DeepSeek-YaRN (the Kimi K2.6 drafter: theta 50000, factor 64); the
+        # softmax scale stays 1/sqrt(head_dim), as in z-lab's Qwen3-layer DFlash attention
+        self.rotary_emb = rotary_embedding(
+            dec.head_dim, dec.rope_theta, dec.rope_scaling, dec.max_position_embeddings
+        )
 
     def context_key_values(
         self, context_features: torch.Tensor, context_positions: torch.Tensor

@@ -27,6 +27,14 @@ def _requested_dtype(config: Any, key: str, dtype: torch.dtype) -> torch.dtype |
     return dtype
 
 
+def _as_stored(config: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return tensors
+
+
+def _no_prefix(config: Any) -> str:
+    return ""
+
+
 @dataclass(frozen=True)
 class TargetFamily(Generic[ConfigT]):
     """How to read one family's config and build its model (on whatever device is current)."""
@@ -37,6 +45,10 @@ class TargetFamily(Generic[ConfigT]):
     build_model: Callable[[ConfigT], TargetModel]
     # (config, checkpoint key, requested dtype) -> dtype to load the tensor in, None = skip it
     tensor_dtype: Callable[[ConfigT, str, torch.dtype], torch.dtype | None] = _requested_dtype
+    # (config, loaded checkpoint tensors) -> the model's state dict (renames, stacked experts)
+    prepare_tensors: Callable[[ConfigT, dict[str, torch.Tensor]], dict[str, torch.Tensor]] = _as_stored
+    # config -> the prefix of the language model's checkpoint keys ("language_model." for kimi_k25)
+    checkpoint_prefix: Callable[[ConfigT], str] = _no_prefix
 
 
 FAMILIES: tuple[TargetFamily, ...] = (
@@ -47,6 +59,8 @@ FAMILIES: tuple[TargetFamily, ...] = (
         DeepseekV3Config.from_dict,
         DeepseekV3ForCausalLM,
         deepseek_v3.checkpoint_tensor_dtype,
+        deepseek_v3.prepare_checkpoint_tensors,
+        deepseek_v3.checkpoint_prefix,
     ),
 )
 

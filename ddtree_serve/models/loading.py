@@ -1,4 +1,4 @@
-"""HF-style model directories: `config.json`, `*.safetensors`, `tokenizer.json`.
+"""HF-style model directories: `config.json`, `*.safetensors` (tokenizers: `tokenizer.py`).
 
 Real checkpoints (a local Qwen3 or DeepseekV3/Kimi K2 target + z-lab DFlash drafter) and the
 bundled pair go through the same functions; the target's family comes from `families.py`.
@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tokenizers import Tokenizer
 from torch import nn
 
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
@@ -109,6 +108,7 @@ def load_target_model(
     tensors = load_tensors(
         path, dtype=dtype, device=device, dtype_for_key=lambda key: family.tensor_dtype(config, key, dtype)
     )
+    tensors = family.prepare_tensors(config, tensors)
     if config.tie_word_embeddings:
         tensors[_HEAD_KEY] = tensors[_EMBED_KEY]
     _assign_weights(model, tensors, path)
@@ -135,10 +135,13 @@ def load_embedding_and_head(
     """Only the target's token embedding `[V, H]` and LM head `[V, H]`, for the drafter to borrow."""
     target_path = Path(target_path)
     raw_config = read_config(target_path)
-    config = target_family(raw_config).parse_config(raw_config)
-    tensors = load_tensors(target_path, dtype=dtype, device=device, keys={_EMBED_KEY, _HEAD_KEY})
-    embed = tensors[_EMBED_KEY]
-    head = embed if config.tie_word_embeddings else tensors[_HEAD_KEY]
+    family = target_family(raw_config)
+    config = family.parse_config(raw_config)
+    prefix = family.checkpoint_prefix(config)
+    embed_key, head_key = prefix + _EMBED_KEY, prefix + _HEAD_KEY
+    tensors = load_tensors(target_path, dtype=dtype, device=device, keys={embed_key, head_key})
+    embed = tensors[embed_key]
+    head = embed if config.tie_word_embeddings else tensors[head_key]
     return embed, head
 
 
@@ -161,8 +164,3 @@ def save_model_dir(
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The `tokenizers` tokenizer of a model directory (`tokenizer.json`)."""
-    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))

@@ -7,10 +7,11 @@ its two best biased scores, the `top_groups` best groups stay eligible, and the 
 eligible experts are chosen. Their weights are the unbiased scores, optionally renormalised to
 sum to one, times `routed_scaling_factor`. Shared experts see every token.
 
-Experts are the `layers.MLP` SwiGLU block, one module per expert, so the per-expert keys of HF
-checkpoints (`mlp.experts.E.gate_proj.weight`, `mlp.gate.weight`, `mlp.shared_experts.*`) load
-as they are. The dispatch is a plain loop over the experts a batch hits: the reference, not the
-fast path (a grouped GEMM with expert parallelism is what a GPU deployment needs).
+Unquantized experts are `DenseExperts`: the `layers.MLP` SwiGLU block, one module per expert, so
+the per-expert keys of HF checkpoints (`mlp.experts.E.gate_proj.weight`, `mlp.gate.weight`,
+`mlp.shared_experts.*`) load as they are, dispatched by a plain loop over the experts a batch hits.
+INT4 checkpoints (Kimi K2.x) get `int4_experts.Int4Experts` instead: packed weights, a grouped
+W4A16 GEMM on CUDA. Both take `(x [N, H], weights [N, k], expert_ids [N, k])`.
 """
 
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree_serve.models.int4_experts import Int4Experts
 from ddtree_serve.models.layers import MLP
+from ddtree_serve.models.quantization import PackedInt4Scheme
 
 
 @dataclass(frozen=True)
@@ -69,18 +72,36 @@ class TopKRouter(nn.Module):
         return weights * shape.routed_scaling_factor, expert_ids
 
 
+class DenseExperts(nn.ModuleList):
+    """Unquantized routed experts, one `MLP` each (HF keys `experts.E.{gate,up,down}_proj.weight`)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__(MLP(hidden_size, intermediate_size) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's routed experts, weighted: `x [N, H]`, `weights/expert_ids [N, k]` -> `[N, H]`."""
+        out = torch.zeros_like(x)
+        for expert_id in expert_ids.unique().tolist():  # a host sync: fine for the reference path
+            token_idx, choice = (expert_ids == expert_id).nonzero(as_tuple=True)  # [M] each
+            expert_out = self[expert_id](x[token_idx]) * weights[token_idx, choice, None]
+            out.index_add_(0, token_idx, expert_out.to(out.dtype))
+        return out
+
+
 class MoE(nn.Module):
     """Routed experts (weighted by the router) plus shared experts, on `[..., H]` inputs.
 
-    Tokens do not interact (no capacity limit), so padding rows in a batch never change the
-    output of real rows.
+    `quantization` set: the routed experts are packed INT4 (`Int4Experts`); the router and the
+    shared experts stay unquantized, as in Kimi K2.x checkpoints. Tokens do not interact (no
+    capacity limit), so padding rows in a batch never change the output of real rows.
     """
 
-    def __init__(self, shape: MoEShape) -> None:
+    def __init__(self, shape: MoEShape, quantization: PackedInt4Scheme | None = None) -> None:
         super().__init__()
         self.gate = TopKRouter(shape)
-        self.experts = nn.ModuleList(
-            MLP(shape.hidden_size, shape.intermediate_size) for _ in range(shape.num_experts)
+        sizes = (shape.num_experts, shape.hidden_size, shape.intermediate_size)
+        self.experts: nn.Module = (
+            DenseExperts(*sizes) if quantization is None else Int4Experts(*sizes, quantization)
         )
         shared_size = shape.intermediate_size * shape.num_shared_experts
         self.shared_experts = MLP(shape.hidden_size, shared_size) if shared_size else None
@@ -88,12 +109,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         weights, expert_ids = self.gate(flat)  # [N, k] each
-        out = torch.zeros_like(flat)
-        for expert_id in expert_ids.unique().tolist():  # a host sync: fine for the reference path
-            token_idx, choice = (expert_ids == expert_id).nonzero(as_tuple=True)  # [M] each
-            expert_out = self.experts[expert_id](flat[token_idx]) * weights[token_idx, choice, None]
-            out.index_add_(0, token_idx, expert_out.to(out.dtype))
-        out = out.view_as(x)
+        out = self.experts(flat, weights, expert_ids).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

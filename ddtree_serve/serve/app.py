@@ -18,7 +18,7 @@ from ddtree_serve.serve.workers import DrafterFactory, TargetFactory
 
 GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
     "ddtree_serve.serve.protos.add_DDTreeServeServicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "ddtree_serve.serve.protos.add_HealthServicer_to_server",
 )
 
 

@@ -112,13 +112,18 @@ class Coordinator:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Streams one chunk per engine step that committed tokens; the last has usage."""
-        prompt_ids = self._llm.tokenizer.encode(request.prompt).ids
+        prompt = request.prompt
+        prompt_ids = self._llm.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         if len(prompt_ids) > self._max_prompt_tokens:
             self._telemetry.record_rejection("prompt_too_long")
             raise invalid(
                 f"prompt has {len(prompt_ids)} tokens, more than the limit of {self._max_prompt_tokens}",
                 "prompt",
             )
+        # Positions a request may fill: the slot less the rows one padded tree takes past it.
+        request.check_context_length(
+            len(prompt_ids), self._llm.engine.max_seq_len - self._llm.engine.max_tree_tokens + 1
+        )
         engine_id = f"{request.request_id}#{next(self._ids)}"
         with self._telemetry.request_span(
             request.request_id, engine_id, request.trace_carrier, len(prompt_ids)

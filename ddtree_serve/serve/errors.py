@@ -8,11 +8,16 @@ import enum
 
 import grpc
 
+# Seconds a client should wait before retrying a 503 (HTTP `Retry-After`): a slot or queue
+# place frees up within a few engine steps.
+RETRY_AFTER_S = 1
+
 
 class ErrorKind(enum.Enum):
     # (HTTP status, OpenAI error type, gRPC status code)
     INVALID_ARGUMENT = (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
     NOT_FOUND = (404, "not_found_error", grpc.StatusCode.NOT_FOUND)
+    METHOD_NOT_ALLOWED = (405, "invalid_request_error", grpc.StatusCode.UNIMPLEMENTED)
     OVERLOADED = (503, "overloaded_error", grpc.StatusCode.RESOURCE_EXHAUSTED)
     INTERNAL = (500, "internal_error", grpc.StatusCode.INTERNAL)
 
@@ -27,6 +32,11 @@ class ErrorKind(enum.Enum):
     @property
     def grpc_code(self) -> grpc.StatusCode:
         return self.value[2]
+
+    @property
+    def http_headers(self) -> dict[str, str]:
+        """Headers an HTTP answer of this kind carries: `Retry-After` on every 503."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.http_status == 503 else {}
 
 
 class RequestError(Exception):

@@ -6,14 +6,17 @@ are thin: they build a `GenerationRequest` and render the Coordinator's chunks a
 """
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from grpc_health.v1 import health_pb2
+from pydantic import ValidationError
 from ray.serve.grpc_util import RayServegRPCContext
 
-from ddtree_serve.serve.errors import ErrorKind, invalid
+from ddtree_serve.serve.errors import ErrorKind, RequestError, invalid
+from ddtree_serve.serve.grpc_decode import decode
 from ddtree_serve.serve.ingress_core import (
     HEALTH_TIMEOUT_S,
     REQUEST_ID_HEADER,
@@ -21,12 +24,13 @@ from ddtree_serve.serve.ingress_core import (
     as_error,
     logger,
 )
-from ddtree_serve.serve.openai_api import build_sampling_params, validated_messages
+from ddtree_serve.serve.openai_api import SamplingFields, validated_messages, validation_error
 from ddtree_serve.serve.protocol import CHAT_END, GenerationChunk, GenerationRequest, Usage, render_chat
 from ddtree_serve.serve.protos import SERVICE_NAME, pb2
 from ddtree_serve.serve.tracing import Tracing, carrier_from_pairs
 
 _WATCH_INTERVAL_S = 5.0
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "draft_budget")
 
 
 def _usage_pb(usage: Usage | None) -> Any:
@@ -41,43 +45,72 @@ def _usage_pb(usage: Usage | None) -> Any:
     )
 
 
-class GrpcAdapter(IngressCore):
-    """gRPC methods of the ingress deployment."""
+def _set_status(context: RayServegRPCContext, error: RequestError) -> None:
+    context.set_code(error.kind.grpc_code)
+    context.set_details(error.message)
 
-    def _grpc_request(self, message: Any, context: RayServegRPCContext) -> GenerationRequest:
-        self._check_model(message.model)
-        has_messages = len(message.messages) > 0
-        if message.prompt and has_messages:
-            raise invalid("set either prompt or messages, not both", "prompt")
-        if has_messages:
-            messages = validated_messages([(m.role, m.content) for m in message.messages])
-            prompt = self._check_prompt(render_chat(messages))  # the limit HTTP chat applies too
-            extra_stop: tuple[str, ...] = (CHAT_END,)
-        else:
-            prompt = self._check_prompt(message.prompt)
-            extra_stop = ()
-        sampling_message = message.sampling
-        has = sampling_message.HasField
-        sampling = build_sampling_params(
-            self._defaults,
-            max_tokens=sampling_message.max_tokens if has("max_tokens") else None,
-            temperature=sampling_message.temperature if has("temperature") else None,
-            top_p=sampling_message.top_p if has("top_p") else None,
-            top_k=sampling_message.top_k if has("top_k") else None,
-            stop=(*sampling_message.stop, *extra_stop),
-            seed=sampling_message.seed if has("seed") else None,
-            ignore_eos=sampling_message.ignore_eos,
-            draft_budget=sampling_message.draft_budget if has("draft_budget") else None,
-        )
+
+def _decoded(message_class: Any, raw: bytes | Any, context: RayServegRPCContext) -> Any:
+    """The decoded request of a method without a chunk stream; undecodable: status set, raised."""
+    try:
+        return decode(message_class, raw)
+    except RequestError as error:
+        _set_status(context, error)
+        raise
+
+
+class GrpcAdapter(IngressCore):
+    """gRPC methods of the ingress deployment; requests arrive as bytes (see `protos`)."""
+
+    def _grpc_request(self, raw: bytes | Any, context: RayServegRPCContext) -> GenerationRequest:
+        message = decode(pb2.GenerateRequest, raw)
         metadata = dict(context.invocation_metadata())
-        request_id = (
-            message.request_id
-            or metadata.get(REQUEST_ID_HEADER)
-            or context.request_id()
-            or f"grpc-{uuid.uuid4().hex}"
-        )
+        if message.request_id:
+            request_id = self._check_request_id(message.request_id, "request_id")
+        elif REQUEST_ID_HEADER in metadata:
+            request_id = self._check_request_id(metadata[REQUEST_ID_HEADER], REQUEST_ID_HEADER)
+        else:
+            request_id = context.request_id() or f"grpc-{uuid.uuid4().hex}"
+        self._check_model(message.model)
+        prompt, extra_stop = self._grpc_prompt(message)
+        sampling_message = message.sampling
+        fields: dict[str, Any] = {
+            name: getattr(sampling_message, name)
+            for name in _OPTIONAL_SAMPLING_FIELDS
+            if sampling_message.HasField(name)
+        }
+        try:
+            sampling_fields = SamplingFields.model_validate(
+                {**fields, "stop": list(sampling_message.stop), "ignore_eos": sampling_message.ignore_eos}
+            )
+        except ValidationError as error:
+            raise validation_error(error, prefix="sampling.") from None
+        sampling = sampling_fields.sampling_params(self._defaults, extra_stop)
+        max_tokens_param = "sampling.max_tokens" if "max_tokens" in fields else None
         context.set_trailing_metadata([(REQUEST_ID_HEADER, request_id)])
-        return GenerationRequest(request_id, prompt, sampling)
+        return GenerationRequest(request_id, prompt, sampling, max_tokens_param=max_tokens_param)
+
+    def _grpc_prompt(self, message: Any) -> tuple[str | tuple[int, ...], tuple[str, ...]]:
+        """The one prompt source that is set, checked; and the stop strings it implies."""
+        given = [
+            name
+            for name, present in (
+                ("prompt", bool(message.prompt)),
+                ("messages", len(message.messages) > 0),
+                ("prompt_token_ids", len(message.prompt_token_ids) > 0),
+            )
+            if present
+        ]
+        if len(given) > 1:
+            raise invalid(f"set exactly one of prompt, messages, prompt_token_ids; got {given}", given[1])
+        if given == ["messages"]:
+            messages = validated_messages([(m.role, m.content) for m in message.messages])
+            return self._check_prompt(render_chat(messages)), (CHAT_END,)  # HTTP chat's limit too
+        if given == ["prompt_token_ids"]:
+            if any(token_id < 0 for token_id in message.prompt_token_ids):
+                raise invalid("prompt_token_ids must be >= 0", "prompt_token_ids")
+            return self._check_prompt(tuple(message.prompt_token_ids)), ()
+        return self._check_prompt(message.prompt), ()
 
     async def _grpc_chunks(
         self, message: Any, context: RayServegRPCContext, rpc: str
@@ -92,17 +125,14 @@ class GrpcAdapter(IngressCore):
             request = self._grpc_request(message, context)
             carrier = carrier_from_pairs(context.invocation_metadata())
             with self._tracing.span(f"grpc {rpc}", carrier, {"request_id": request.request_id}) as span:
-                request = GenerationRequest(
-                    request.request_id, request.prompt, request.sampling, Tracing.carrier_of(span)
-                )
+                request = dataclasses.replace(request, trace_carrier=Tracing.carrier_of(span))
                 logger.info("request %s: grpc %s", request.request_id, rpc)
                 first, stream = await self._open(request)
                 async for chunk in self._rest(first, stream):
                     yield chunk
         except Exception as error:
             mapped = as_error(error)
-            context.set_code(mapped.kind.grpc_code)
-            context.set_details(mapped.message)
+            _set_status(context, mapped)
             if mapped is error:
                 raise
             raise mapped from error
@@ -133,6 +163,7 @@ class GrpcAdapter(IngressCore):
         )
 
     async def ModelInfo(self, message: Any, grpc_context: RayServegRPCContext) -> Any:
+        _decoded(pb2.ModelInfoRequest, message, grpc_context)
         info = await self._coordinator.model_info.remote()
         return pb2.ModelInfoResponse(model=self._config.model_name, **info)
 
@@ -149,18 +180,20 @@ class GrpcAdapter(IngressCore):
         return health_pb2.HealthCheckResponse.SERVING
 
     async def Check(self, message: Any, grpc_context: RayServegRPCContext) -> Any:
-        status = await self._serving_status(message.service)
+        request = _decoded(health_pb2.HealthCheckRequest, message, grpc_context)
+        status = await self._serving_status(request.service)
         if status is None:
             grpc_context.set_code(ErrorKind.NOT_FOUND.grpc_code)
-            grpc_context.set_details(f"unknown service {message.service!r}")
+            grpc_context.set_details(f"unknown service {request.service!r}")
             return health_pb2.HealthCheckResponse()
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, message: Any, grpc_context: RayServegRPCContext) -> AsyncIterator[Any]:
         """Sends the status now and on every change, until the client cancels."""
+        request = _decoded(health_pb2.HealthCheckRequest, message, grpc_context)
         last = None
         while True:
-            status = await self._serving_status(message.service)
+            status = await self._serving_status(request.service)
             status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)

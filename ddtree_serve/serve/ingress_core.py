@@ -9,6 +9,7 @@ request (bad prompt, full queue) gets its status before any byte of the response
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -22,6 +23,10 @@ logger = logging.getLogger("ray.serve")
 
 REQUEST_ID_HEADER = "x-request-id"
 HEALTH_TIMEOUT_S = 5.0
+# Request ids travel in logs, response bodies and gRPC trailing metadata (8 KiB in all by default).
+MAX_REQUEST_ID_CHARS = 256
+
+PromptT = TypeVar("PromptT", str, tuple[int, ...])
 
 
 def as_error(error: BaseException) -> RequestError:
@@ -47,10 +52,21 @@ class IngressCore:
         if model not in (None, "", self._config.model_name):
             raise RequestError(ErrorKind.NOT_FOUND, f"The model `{model}` does not exist", "model")
 
-    def _check_prompt(self, prompt: str) -> str:
+    @staticmethod
+    def _check_request_id(request_id: str, param: str) -> str:
+        """Refused before any work: an over-long id would fail only once echoed back."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise invalid(
+                f"{param} has {len(request_id)} characters, more than the limit of {MAX_REQUEST_ID_CHARS}",
+                param,
+            )
+        return request_id
+
+    def _check_prompt(self, prompt: PromptT) -> PromptT:
+        """Text or token ids, non-empty; text within the character limit (ids: the token limit)."""
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
-        if len(prompt) > self._config.limits.max_prompt_chars:
+        if isinstance(prompt, str) and len(prompt) > self._config.limits.max_prompt_chars:
             raise invalid(
                 f"prompt has {len(prompt)} characters, more than the limit of "
                 f"{self._config.limits.max_prompt_chars}",

@@ -8,43 +8,123 @@ joined with `--ray-address` only this application is deleted.
 """
 
 import argparse
+import logging
+import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
+from ddtree_serve.cli import one_line_error
 from ddtree_serve.serve.config import ServeConfig
+
+DASHBOARD_PORT = 8265  # Ray's own default
+AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags override the config file, so none has an argparse default; the help shows the
+    value that applies when neither the flag nor the file sets it."""
+    defaults = ServeConfig()
+    engine = defaults.engine
+
+    def default(value: object) -> str:
+        return f"(default: {value})"
+
     parser.add_argument("--config", help="ServeConfig YAML or a Serve config file (deployments/*.yaml).")
-    parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1).")
-    parser.add_argument("--http-port", type=int, help="HTTP port (default 8000).")
-    parser.add_argument("--grpc-port", type=int, help="gRPC port (default 9000).")
-    parser.add_argument("--target", help="Target model directory (default: the bundled target).")
-    parser.add_argument("--drafter", help="DFlash drafter directory (default: the bundled drafter).")
-    parser.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="Decoding mode.")
-    parser.add_argument("--budget", type=int, help="DDTree node budget per step.")
-    parser.add_argument("--device", help="Model device inside the workers: cpu, cuda.")
-    parser.add_argument(
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", help=f"HTTP bind address {default(defaults.http.host)}.")
+    server.add_argument("--http-port", type=int, help=f"HTTP port {default(defaults.http.port)}.")
+    server.add_argument(
+        "--grpc-port", type=int, help=f"gRPC port, all interfaces {default(defaults.grpc.port)}."
+    )
+    server.add_argument("--model-name", help=f"Name clients pass as `model` {default(defaults.model_name)}.")
+    model = parser.add_argument_group("model")
+    model.add_argument("--target", help="Target model directory (default: the bundled target).")
+    model.add_argument("--drafter", help="DFlash drafter directory (default: the bundled drafter).")
+    model.add_argument(
+        "--device", help=f"Model device inside the workers: cpu, cuda {default(engine.device)}."
+    )
+    model.add_argument(
+        "--mode",
+        choices=["ar", "chain", "ddtree"],
+        help=f"ar: plain decoding; chain: linear DFlash draft; ddtree: draft trees {default(engine.mode)}.",
+    )
+    model.add_argument(
+        "--budget", type=int, help=f"DDTree nodes per request per step {default(engine.budget)}."
+    )
+    model.add_argument(
         "--enforce-eager",
         action="store_true",
         default=None,
-        help="Run every forward eagerly (no CUDA graphs).",
+        help="Run every forward eagerly, no CUDA graphs (default: graphs on CUDA).",
     )
-    parser.add_argument("--max-num-seqs", type=int, help="Running requests per speculation group.")
-    parser.add_argument("--model-name", help="Name clients pass as `model`.")
-    parser.add_argument("--tracing", choices=["none", "file", "otlp"], help="Span exporter.")
-    parser.add_argument("--tracing-file", help="Span file for --tracing file.")
-    parser.add_argument("--otlp-endpoint", help="OTLP/HTTP traces endpoint for --tracing otlp.")
-    parser.add_argument("--ray-address", help="Join this Ray cluster instead of starting a local one.")
-    parser.add_argument("--num-cpus", type=float, help="Logical CPUs of the local Ray cluster.")
-    parser.add_argument("--num-gpus", type=float, help="Logical GPUs of the local Ray cluster.")
-    parser.add_argument("--ray-temp-dir", help="Temp/session directory of the local Ray cluster.")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help=f"Running requests per speculation group {default(engine.max_num_seqs)}.",
+    )
+    limits.add_argument(
+        "--max-queue-len",
+        type=int,
+        help="Waiting requests per group; beyond it HTTP 503 / RESOURCE_EXHAUSTED "
+        f"{default(engine.max_queue_len)}.",
+    )
+    limits.add_argument(
+        "--max-seq-len",
+        "--max-model-len",
+        dest="max_seq_len",
+        type=int,
+        help=f"Positions per request: prompt + completion + one draft tree {default(engine.max_seq_len)}.",
+    )
+    limits.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help=f"Tokens one step may feed the target {default(engine.max_num_batched_tokens)}.",
+    )
+    tracing = parser.add_argument_group("observability")
+    tracing.add_argument(
+        "--tracing",
+        choices=["none", "file", "otlp"],
+        help=f"Span exporter {default(defaults.observability.tracing.exporter)}.",
+    )
+    tracing.add_argument(
+        "--tracing-file",
+        help=f"Span file for --tracing file {default(defaults.observability.tracing.file_path)}.",
+    )
+    tracing.add_argument(
+        "--otlp-endpoint",
+        help=f"OTLP/HTTP traces endpoint {default(defaults.observability.tracing.otlp_endpoint)}.",
+    )
+    ray_group = parser.add_argument_group("ray (local cluster)")
+    ray_group.add_argument("--ray-address", help="Join this Ray cluster instead of starting a local one.")
+    ray_group.add_argument("--num-cpus", type=float, help="Logical CPUs (default: all cores).")
+    ray_group.add_argument("--num-gpus", type=float, help="Logical GPUs (default: the GPUs found).")
+    ray_group.add_argument("--ray-temp-dir", help="Temp/session directory (default: Ray's, /tmp/ray).")
+    ray_group.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="Do not start the Ray dashboard (default: on, at 127.0.0.1; `ray list actors` needs it).",
+    )
+    ray_group.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=DASHBOARD_PORT,
+        help="Ray dashboard port (default: %(default)s).",
+    )
+    ray_group.add_argument(
+        "--metrics-export-port",
+        type=int,
+        help="Port of Ray's Prometheus metrics endpoint (default: one Ray picks; printed at start-up).",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -62,6 +142,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ("engine", "device"): args.device,
         ("engine", "enforce_eager"): args.enforce_eager,
         ("engine", "max_num_seqs"): args.max_num_seqs,
+        ("engine", "max_queue_len"): args.max_queue_len,
+        ("engine", "max_seq_len"): args.max_seq_len,
+        ("engine", "max_num_batched_tokens"): args.max_num_batched_tokens,
         ("observability", "tracing", "exporter"): args.tracing,
         ("observability", "tracing", "file_path"): args.tracing_file,
         ("observability", "tracing", "otlp_endpoint"): args.otlp_endpoint,
@@ -78,17 +161,75 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig.model_validate(raw)
 
 
+def ray_init_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`ray.init` keyword arguments: join `--ray-address`, or a local cluster on 127.0.0.1."""
+    if args.ray_address is not None:
+        return {"address": args.ray_address}
+    options = {
+        "num_cpus": args.num_cpus,
+        "num_gpus": args.num_gpus,
+        "_temp_dir": args.ray_temp_dir,
+        "include_dashboard": args.dashboard,
+        "dashboard_host": "127.0.0.1",
+        "dashboard_port": args.dashboard_port,
+        "_metrics_export_port": args.metrics_export_port,
+    }
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def choose_local_auth_mode() -> str:
+    """The token-authentication line to print; sets `RAY_AUTH_MODE` for a local cluster.
+
+    Ray 2.5x turns token authentication on for a new local cluster and warns that it did when
+    the mode is unset. Keeping it on is right (anyone who can reach a port could run code), so
+    the mode is set explicitly, which is what silences the warning; the user's choice wins.
+    """
+    chosen = os.environ.get(AUTH_MODE_VARIABLE)
+    if chosen is not None:
+        return f"Ray token authentication: {AUTH_MODE_VARIABLE}={chosen} (from the environment)"
+    os.environ[AUTH_MODE_VARIABLE] = "token"
+    return (
+        f"Ray token authentication: on ({AUTH_MODE_VARIABLE}=token; the dashboard asks for the token "
+        f"that `ray get-auth-token` prints; export {AUTH_MODE_VARIABLE}=disabled to turn it off)"
+    )
+
+
+class _DropServeStartNotice(logging.Filter):
+    """`serve.run` starts Serve with default options unless it already runs, and logs that the
+    "new" http_options are not applied; here they were applied by our `serve.start` just before,
+    so that notice says the opposite of what happened."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "will not be applied" not in record.getMessage()
+
+
+@contextmanager
+def _without_serve_start_notice() -> Iterator[None]:
+    serve_logger = logging.getLogger("ray.serve")
+    notice_filter = _DropServeStartNotice()
+    serve_logger.addFilter(notice_filter)
+    try:
+        yield
+    finally:
+        serve_logger.removeFilter(notice_filter)
+
+
+def metrics_endpoint() -> str | None:
+    """This node's Prometheus endpoint (Ray's metrics export port), once Ray is up."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("MetricsExportPort"):
+            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Deploys and blocks until SIGINT/SIGTERM; returns the process exit code."""
-    import ray
-    from ray import serve
-
-    from ddtree_serve.serve.app import build_app, serve_start_options
-
     try:
         config = config_from_args(args)
-    except (OSError, yaml.YAMLError, ValidationError) as error:
-        print(f"ddtree-serve serve: error: {error}", file=sys.stderr)
+    except (OSError, yaml.YAMLError, ValidationError, ValueError) as error:
+        print(f"ddtree-serve serve: error: {one_line_error(error)}", file=sys.stderr)
         return 2
     if args.ray_address is None and (problem := config.engine.missing_model_dir()):
         # A local cluster reads the same disk: refuse now instead of failing replicas in a loop.
@@ -100,21 +241,31 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"\nreceived {signal.Signals(signum).name}; shutting down", flush=True)
         stop.set()
 
-    init_options: dict[str, Any] = {"address": args.ray_address, "include_dashboard": False}
-    if args.ray_address is None:
-        init_options.update(num_cpus=args.num_cpus, num_gpus=args.num_gpus, _temp_dir=args.ray_temp_dir)
-    ray.init(**{key: value for key, value in init_options.items() if value is not None})
+    # Before Ray is imported: its core reads RAY_AUTH_MODE once, at import.
+    auth_line = choose_local_auth_mode() if args.ray_address is None else None
+    import ray
+    from ray import serve
+
+    from ddtree_serve.serve.app import build_app, serve_start_options
+
+    context = ray.init(**ray_init_options(args))
     # After ray.init: Ray installs its own SIGTERM handler there, which would skip our shutdown.
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(**serve_start_options(config))
-        serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
+        with _without_serve_start_notice():
+            serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
         print(
             f"ddtree-serve: model {config.model_name!r} ({config.engine.mode}, budget {config.engine.budget})"
         )
-        print(f"  HTTP  http://{config.http.host}:{config.http.port}/v1  (OpenAI-compatible)")
+        print(f"  HTTP       http://{config.http.host}:{config.http.port}/v1  (OpenAI-compatible)")
         # Ray Serve's gRPC proxy takes no host: it listens on every interface ([::]).
-        print(f"  gRPC  127.0.0.1:{config.grpc.port}  (ddtree_serve.v1.DDTreeServe; all interfaces)")
+        print(f"  gRPC       127.0.0.1:{config.grpc.port}  (ddtree_serve.v1.DDTreeServe; all interfaces)")
+        dashboard_url = getattr(context, "dashboard_url", None)
+        print(f"  dashboard  {'http://' + dashboard_url if dashboard_url else 'off (--no-dashboard)'}")
+        print(f"  metrics    {metrics_endpoint() or 'unknown'}  (Prometheus, ray_ddtree_*)")
+        if auth_line:
+            print(f"  {auth_line}")
         print("Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
             pass

@@ -3,47 +3,160 @@
 Only what the engine can honour is accepted: one choice (`n` = 1), no logprobs, no echo,
 no penalties, logit bias or suffix (a non-neutral value is refused rather than dropped).
 Unknown fields are ignored the way OpenAI-compatible servers do; known fields are checked
-here and by `SamplingParams`, and every refusal becomes a `RequestError` (HTTP 400).
+strictly here (no `true` for an integer, no `"5"` for a number, finite numbers in their
+range, text that is valid Unicode), and every refusal becomes a `RequestError` (HTTP 400)
+naming the field. `SamplingFields` is also what the gRPC adapter validates its message into.
 """
 
+import json
+import math
 import time
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+from pydantic_core import PydanticCustomError
 
 from ddtree_serve.engine.sampling_params import SamplingParams
-from ddtree_serve.serve.errors import invalid
+from ddtree_serve.serve.errors import RequestError, invalid
 from ddtree_serve.serve.protocol import CHAT_END, CHAT_ROLES, render_chat
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range; also keeps 1/temperature a normal float32
+MAX_SEED = 2**64  # exclusive: a torch generator's seed range
+
+
+def _valid_unicode(text: str) -> str:
+    """Text JSON can carry but no tokenizer can encode (a lone surrogate such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PydanticCustomError(
+            "unicode", "text is not valid Unicode (lone surrogate at index {index})", {"index": error.start}
+        ) from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    """A completion prompt: text, a list of one text, token ids, or a list of one id list."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return _valid_unicode(value)
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        raise PydanticCustomError("one_prompt", "exactly one prompt per request is supported")
+    if isinstance(value, list) and all(type(v) is int for v in value):
+        if any(v < 0 for v in value):
+            raise PydanticCustomError("token_id", "token ids must be >= 0")
+        return tuple(value)
+    raise PydanticCustomError(
+        "prompt_type", "prompt must be a string, a list of one string, or a list of token ids (integers)"
+    )
+
+
+Prompt = Annotated[str | tuple[int, ...], PlainValidator(_prompt)]
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    """`stop`: null, one string or a list of strings, each non-empty valid Unicode."""
+    strings = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise PydanticCustomError("stop_type", "stop must be a string or a list of strings")
+    if not all(strings):
+        raise PydanticCustomError("stop_empty", "stop strings must be non-empty")
+    return tuple(_valid_unicode(s) for s in strings)
+
+
+Stop = Annotated[tuple[str, ...], PlainValidator(_stop)]
+
+
+def _bounded(name: str, low: float, high: float, *, low_open: bool = False) -> AfterValidator:
+    """A finite number in [low, high] (or (low, high]); the refusal states the range."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def check(value: float) -> float:
+        if not (math.isfinite(value) and (low < value if low_open else low <= value) and value <= high):
+            raise PydanticCustomError(
+                "range", "{name} must be a finite number in {interval}, got {value}",
+                {"name": name, "interval": interval, "value": value},
+            )  # fmt: skip
+        return value
+
+    return AfterValidator(check)
+
+
+Temperature = Annotated[StrictFloat, _bounded("temperature", 0.0, MAX_TEMPERATURE)]
+TopP = Annotated[StrictFloat, _bounded("top_p", 0.0, 1.0, low_open=True)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints (OpenAI names; `top_k`, `ignore_eos`, `draft_budget` are
-    extensions: `draft_budget` caps the request's draft tree nodes per step, below the engine's)."""
+class SamplingFields(BaseModel):
+    """Sampling fields both protocols accept (OpenAI names; `top_k`, `ignore_eos`, `draft_budget`
+    are extensions: `draft_budget` caps the request's draft tree nodes per step, the server's
+    budget being the ceiling; it changes speed only)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop: Stop = ()
+    seed: Annotated[StrictInt, Field(ge=0, lt=MAX_SEED)] | None = None
+    ignore_eos: StrictBool = False
+    draft_budget: Annotated[StrictInt, Field(ge=1)] | None = None
+
+    def requested_max_tokens(self) -> tuple[int | None, str | None]:
+        """The client's max_tokens and the field that set it; (None, None) when unset."""
+        return (self.max_tokens, "max_tokens") if self.max_tokens is not None else (None, None)
+
+    def sampling_params(self, defaults: SamplingParams, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+        """`SamplingParams` from the set fields over the server defaults; errors -> 400."""
+        max_tokens, _ = self.requested_max_tokens()
+        try:
+            return SamplingParams(
+                max_tokens=defaults.max_tokens if max_tokens is None else max_tokens,
+                temperature=defaults.temperature if self.temperature is None else self.temperature,
+                top_p=defaults.top_p if self.top_p is None else self.top_p,
+                top_k=defaults.top_k if self.top_k is None else self.top_k,
+                stop=self.stop + extra_stop,
+                seed=self.seed,
+                ignore_eos=self.ignore_eos,
+                draft_budget=self.draft_budget,
+            )
+        except ValueError as error:
+            raise invalid(str(error)) from error
+
+
+class _OpenAIFields(SamplingFields):
+    """Fields both HTTP endpoints share beyond sampling."""
+
+    model: Text | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | int | None = None
-    ignore_eos: bool = False
-    draft_budget: int | None = None
+    logprobs: StrictBool | StrictInt | None = None
     # Known OpenAI fields the engine cannot honour: refused unless neutral, never silently dropped.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
+    best_of: StrictInt | None = None
 
     def sampling_params(self, defaults: SamplingParams, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
         if self.n != 1:
@@ -57,58 +170,46 @@ class _SamplingFields(BaseModel):
             raise invalid("logit_bias is not supported", "logit_bias")
         if self.best_of not in (None, 1):
             raise invalid(f"only best_of=1 is supported, got {self.best_of}", "best_of")
-        if self.seed is not None and not 0 <= self.seed < 2**64:  # a torch generator's seed range
-            raise invalid(f"seed must be in [0, 2**64), got {self.seed}", "seed")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return build_sampling_params(
-            defaults,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            stop=stop + extra_stop,
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            draft_budget=self.draft_budget,
-        )
+        return super().sampling_params(defaults, extra_stop)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr]
-    echo: bool = False
-    suffix: str | None = None
+class CompletionRequest(_OpenAIFields):
+    prompt: Prompt
+    echo: StrictBool = False
+    suffix: Text | None = None
 
-    def prompt_text(self) -> str:
+    def prompt_input(self) -> str | tuple[int, ...]:
+        """The prompt as the engine takes it: text or token ids."""
         if self.echo:
             raise invalid("echo is not supported", "echo")
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise invalid("exactly one prompt per request is supported", "prompt")
-            return self.prompt[0]
         return self.prompt
 
 
 class ChatMessage(BaseModel):
-    role: StrictStr
-    content: StrictStr
+    role: Text
+    content: Text
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
-    def prompt_text(self) -> str:
+    def prompt_input(self) -> str:
         return render_chat(validated_messages([(m.role, m.content) for m in self.messages]))
 
+    def requested_max_tokens(self) -> tuple[int | None, str | None]:
+        # OpenAI's newer name wins over the deprecated `max_tokens`, as in vLLM.
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return super().requested_max_tokens()
+
     def sampling_params(self, defaults: SamplingParams, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
         # The assistant turn ends at ChatML's end marker, whether or not it is one token.
         return super().sampling_params(defaults, (*extra_stop, CHAT_END))
 
@@ -116,38 +217,51 @@ class ChatCompletionRequest(_SamplingFields):
 def validated_messages(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
     if not messages:
         raise invalid("messages must not be empty", "messages")
-    for role, _ in messages:
+    for index, (role, _) in enumerate(messages):
         if role not in CHAT_ROLES:
-            raise invalid(f"message role must be one of {sorted(CHAT_ROLES)}, got {role!r}", "messages")
+            raise invalid(
+                f"message role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"messages.{index}.role"
+            )
     return messages
 
 
-def build_sampling_params(
-    defaults: SamplingParams,
-    *,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    stop: tuple[str, ...],
-    seed: int | None,
-    ignore_eos: bool,
-    draft_budget: int | None = None,
-) -> SamplingParams:
-    """`SamplingParams` from optional wire fields over the server defaults; errors -> 400."""
-    try:
-        return SamplingParams(
-            max_tokens=defaults.max_tokens if max_tokens is None else max_tokens,
-            temperature=defaults.temperature if temperature is None else temperature,
-            top_p=defaults.top_p if top_p is None else top_p,
-            top_k=defaults.top_k if top_k is None else top_k,
-            stop=stop,
-            seed=seed,
-            ignore_eos=ignore_eos,
-            draft_budget=draft_budget,
+def parse_body(body_class: type[Body], content_type: str | None, body: bytes, required: str) -> Body:
+    """The request body as `body_class`, or a `RequestError` that says what is wrong and where.
+
+    `required` names the field an empty body lacks (the one a newcomer must send first).
+    """
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise invalid(
+            f"the request body must be JSON: send Content-Type: application/json (got {media_type})"
         )
-    except ValueError as error:
-        raise invalid(str(error)) from error
+    if not body.strip():
+        raise invalid(f"the request body is empty: expected a JSON object with `{required}`", required)
+    try:
+        raw = json.loads(body)
+    except ValueError as error:  # also bytes that are not UTF-8
+        raise invalid(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(raw).__name__}")
+    try:
+        return body_class.model_validate(raw)
+    except ValidationError as error:
+        raise validation_error(error) from None
+
+
+def validation_error(error: ValidationError, prefix: str = "") -> RequestError:
+    """Pydantic's first complaint as a 400 whose `param` is the field's dotted path."""
+    first = error.errors(include_url=False)[0]
+    param = prefix + ".".join(str(part) for part in _field_path(first["loc"]))
+    if first["type"] == "missing":
+        return invalid(f"`{param}` is required", param)
+    message = first["msg"] if param and first["msg"].startswith(param) else f"`{param}`: {first['msg']}"
+    return invalid(message, param or None)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> list[int | str]:
+    """`loc` without pydantic's union-member tags ("constrained-int", "list[...]", ...)."""
+    return [part for part in loc if isinstance(part, int) or part.isidentifier()]
 
 
 def completion_body(

@@ -7,6 +7,7 @@ Both protocol adapters turn their request into a `GenerationRequest` and render 
 from dataclasses import dataclass, field
 
 from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.serve.errors import invalid
 
 CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
 CHAT_END = "<|im_end|>"
@@ -37,9 +38,24 @@ class Usage:
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
-    prompt: str  # already rendered from chat messages for chat requests
+    prompt: str | tuple[int, ...]  # text (chat already rendered to ChatML) or token ids
     sampling: SamplingParams
     trace_carrier: dict[str, str] = field(default_factory=dict)  # W3C headers of the caller's span
+    # The request field that chose `sampling.max_tokens` ("max_tokens", "max_completion_tokens",
+    # "sampling.max_tokens"); None = the server default, which is capped to the context instead.
+    max_tokens_param: str | None = None
+
+    def check_context_length(self, num_prompt_tokens: int, context_length: int) -> None:
+        """Refuses a client-chosen max_tokens that cannot fit (400, as vLLM and OpenAI answer)."""
+        requested = num_prompt_tokens + self.sampling.max_tokens
+        if self.max_tokens_param is not None and requested > context_length:
+            raise invalid(
+                f"This model's maximum context length is {context_length} tokens. However, you "
+                f"requested {requested} tokens ({num_prompt_tokens} in the prompt, "
+                f"{self.sampling.max_tokens} in the completion). Please reduce the length of the "
+                f"prompt or {self.max_tokens_param}.",
+                self.max_tokens_param,
+            )
 
 
 @dataclass(frozen=True)

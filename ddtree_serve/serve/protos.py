@@ -6,7 +6,11 @@ committed. Each (proto, grpc_tools, protobuf) combination gets its own versioned
 ``_generated/`` that is written once into a temporary directory and renamed into place, so
 concurrent first imports (the driver, Serve proxies, replicas) never see a half-written package.
 
-Ray Serve's gRPC proxy imports ``add_DDTreeServeServicer_to_server`` from this module by path.
+Ray Serve's gRPC proxy imports ``add_DDTreeServeServicer_to_server`` and
+``add_HealthServicer_to_server`` from this module by path. Unlike the generated ones, they
+register the methods without a request deserializer: the proxy forwards the request bytes and
+the ingress decodes them (`grpc_decode`), so an undecodable message is refused with
+INVALID_ARGUMENT naming the field instead of failing inside the proxy as UNKNOWN.
 """
 
 from __future__ import annotations
@@ -19,8 +23,12 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
+import grpc
 import grpc_tools
 from google import protobuf
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health_pb2
 from grpc_tools import protoc
 
 PROTO_NAME = "ddtree_serve.proto"
@@ -101,8 +109,36 @@ def _load() -> tuple[ModuleType, ModuleType]:
 pb2, pb2_grpc = _load()
 
 DDTreeServeStub = pb2_grpc.DDTreeServeStub
-add_DDTreeServeServicer_to_server = pb2_grpc.add_DDTreeServeServicer_to_server
 SERVICE_NAME: str = pb2.DESCRIPTOR.services_by_name["DDTreeServe"].full_name
+
+
+def add_DDTreeServeServicer_to_server(servicer: object, server: grpc.Server) -> None:
+    _add_undecoded_servicer(pb2.DESCRIPTOR.services_by_name["DDTreeServe"], servicer, server)
+
+
+def add_HealthServicer_to_server(servicer: object, server: grpc.Server) -> None:
+    _add_undecoded_servicer(health_pb2.DESCRIPTOR.services_by_name["Health"], servicer, server)
+
+
+def _add_undecoded_servicer(service: ServiceDescriptor, servicer: object, server: grpc.Server) -> None:
+    """What the generated ``add_*_to_server`` does, with the request left as bytes."""
+    handlers = {}
+    for method in service.methods:
+        assert not method.client_streaming, f"{method.full_name}: client streaming is not served"
+        make_handler = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make_handler(
+            getattr(servicer, method.name),
+            request_deserializer=None,
+            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63, as generated code does
+        server.add_registered_method_handlers(service.full_name, handlers)
+
 
 if __name__ == "__main__":
     print(f"generated {pb2.__name__} and {pb2_grpc.__name__}")

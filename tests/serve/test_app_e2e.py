@@ -106,7 +106,7 @@ def test_http_completion_greedy_equals_in_process_engine(cluster: ServeCluster, 
         )
         assert response.status_code == 200, response.text
         body = response.json()
-        assert body["id"] == f"req-{len(prompt)}" == response.headers["x-request-id"]
+        assert body["id"] == f"cmpl-req-{len(prompt)}" == f"cmpl-{response.headers['x-request-id']}"
         assert body["choices"][0]["text"] == want.text
         assert body["choices"][0]["finish_reason"] == want.finish_reason
         usage = body["usage"]
@@ -346,7 +346,7 @@ HTTP_BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
         "/v1/chat/completions",
         {"messages": [{"role": "robot", "content": "x"}]},
         400,
-        "messages",
+        "messages.0.role",
     ),
     (
         "chat unknown model",

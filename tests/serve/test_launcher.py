@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import tiny_serve_config
+from tests.serve.conftest import free_port, tiny_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,11 +42,13 @@ def test_serve_command_serves_until_sigint_then_leaves_no_ray_process(
     config_path = tmp_path / "serve.yaml"
     config_path.write_text(yaml.safe_dump({key: raw[key] for key in ("model_name", "engine")}))
     http_port, grpc_port = raw["http"]["port"], raw["grpc"]["port"]
+    dashboard_port, metrics_port = free_port(), free_port()
     ray_dir = tempfile.mkdtemp(prefix="ddtree-launch-")  # short: Ray's socket paths must fit
     command = [
         sys.executable, "-m", "ddtree_serve.serve.launcher", "--config", str(config_path),
         "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--num-cpus", "2", "--ray-temp-dir", ray_dir,
+        "--dashboard-port", str(dashboard_port), "--metrics-export-port", str(metrics_port),
     ]  # fmt: skip
     process = subprocess.Popen(
         command,
@@ -55,6 +57,7 @@ def test_serve_command_serves_until_sigint_then_leaves_no_ray_process(
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        env={name: value for name, value in os.environ.items() if name != "RAY_AUTH_MODE"},
     )
     printed = []
     try:
@@ -65,6 +68,15 @@ def test_serve_command_serves_until_sigint_then_leaves_no_ray_process(
                 break
         banner = "".join(printed)
         assert f"http://127.0.0.1:{http_port}/v1" in banner and f":{grpc_port}" in banner, banner[-2000:]
+        assert f"dashboard  http://127.0.0.1:{dashboard_port}" in banner, banner[-2000:]
+        assert f":{metrics_port}/metrics" in banner and "RAY_AUTH_MODE=" in banner, banner[-2000:]
+        # No misleading start-up warnings: the auth mode is set, and the http_options were applied.
+        assert "Token authentication is enabled" not in banner and "will not be applied" not in banner
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{dashboard_port}/api/version", timeout=30).status_code in (
+            200,
+            401,
+        )
         response = httpx.post(
             f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60
         )

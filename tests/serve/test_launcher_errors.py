@@ -1,10 +1,18 @@
 """`ddtree-serve serve` refuses bad configuration with a one-line error and exit code 2, before Ray starts."""
 
+import argparse
+import os
 from pathlib import Path
 
 import pytest
 
 from ddtree_serve.cli import main
+from ddtree_serve.serve.launcher import (
+    add_serve_arguments,
+    choose_local_auth_mode,
+    config_from_args,
+    ray_init_options,
+)
 
 
 @pytest.mark.parametrize(
@@ -59,3 +67,71 @@ def test_joining_a_cluster_deletes_only_this_app_on_exit(monkeypatch: pytest.Mon
         main(["serve", "--ray-address", "ray://elsewhere:10001", "--mode", "ar"])
     assert "serve.shutdown" not in calls
     assert any(call.startswith("serve.delete ") for call in calls)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--budget", "0"], "engine.budget"),
+        (["--max-queue-len", "-1"], "engine.max_queue_len"),
+        (["--max-model-len", "8"], "engine.max_seq_len"),
+        (["--max-num-batched-tokens", "0"], "engine.max_num_batched_tokens"),
+    ],
+)
+def test_bad_flag_values_print_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddtree-serve serve: error:") and expected in err
+    assert err.count("\n") == 1  # one line, not pydantic's multi-line report
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_limit_flags_reach_the_engine_config_and_vllm_names_are_accepted() -> None:
+    args = serve_args("--max-model-len", "512", "--max-queue-len", "3", "--max-num-batched-tokens", "256")
+    engine = config_from_args(args).engine
+    assert (engine.max_seq_len, engine.max_queue_len, engine.max_num_batched_tokens) == (512, 3, 256)
+    assert config_from_args(serve_args("--max-seq-len", "300")).engine.max_seq_len == 300
+
+
+def test_a_local_cluster_gets_a_dashboard_on_localhost_unless_turned_off() -> None:
+    options = ray_init_options(serve_args("--metrics-export-port", "9100"))
+    assert options["include_dashboard"] is True and options["dashboard_host"] == "127.0.0.1"
+    assert options["dashboard_port"] == 8265 and options["_metrics_export_port"] == 9100
+    assert ray_init_options(serve_args("--no-dashboard"))["include_dashboard"] is False
+    assert ray_init_options(serve_args("--ray-address", "ray://elsewhere:10001")) == {
+        "address": "ray://elsewhere:10001"
+    }
+
+
+def test_the_auth_mode_of_a_local_cluster_is_set_explicitly_and_the_users_choice_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert "RAY_AUTH_MODE=token" in choose_local_auth_mode()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert "RAY_AUTH_MODE=disabled (from the environment)" in choose_local_auth_mode()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
+def test_serve_help_shows_the_default_of_every_flag_that_has_one() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    for action in parser._actions:
+        if action.option_strings and action.dest not in ("help", "config", "ray_address"):
+            assert action.help and "default" in action.help, action.option_strings
+    help_of = {option: action.help for action in parser._actions for option in action.option_strings}
+    for flag, value in (
+        ("--mode", "ddtree"),
+        ("--budget", "32"),
+        ("--device", "cpu"),
+        ("--max-num-seqs", "8"),
+    ):
+        assert f"(default: {value})" in str(help_of[flag])
