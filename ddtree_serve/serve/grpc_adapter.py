@@ -32,7 +32,7 @@ from ddtree_serve.serve.protos import SERVICE_NAME, pb2
 from ddtree_serve.serve.tracing import Tracing, carrier_from_pairs
 
 _WATCH_INTERVAL_S = 5.0
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "draft_budget")
 
 
 def _usage_pb(usage: Usage | None) -> Any:

@@ -107,7 +107,9 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Sampling fields both protocols accept (OpenAI names; `top_k`, `ignore_eos` are extensions)."""
+    """Sampling fields both protocols accept (OpenAI names; `top_k`, `ignore_eos`, `draft_budget`
+    are extensions: `draft_budget` caps the request's draft tree nodes per step, the server's
+    budget being the ceiling; it changes speed only)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -118,6 +120,7 @@ class SamplingFields(BaseModel):
     stop: Stop = ()
     seed: Annotated[StrictInt, Field(ge=0, lt=MAX_SEED)] | None = None
     ignore_eos: StrictBool = False
+    draft_budget: Annotated[StrictInt, Field(ge=1)] | None = None
 
     def requested_max_tokens(self) -> tuple[int | None, str | None]:
         """The client's max_tokens and the field that set it; (None, None) when unset."""
@@ -135,6 +138,7 @@ class SamplingFields(BaseModel):
                 stop=self.stop,
                 seed=self.seed,
                 ignore_eos=self.ignore_eos,
+                draft_budget=self.draft_budget,
             )
         except ValueError as error:
             raise invalid(str(error)) from error

@@ -529,7 +529,7 @@ def test_actor_adapters_forward_context_as_an_object_ref_and_match_in_process_mo
     outputs = []
     for target, drafter in ((remote_target, remote_drafter), (local_target, local_drafter)):
         prefill = target.prefill(PrefillInput([0, 1], prompts, greedy_batch, None))
-        contexts = [ContextSlice(prefill.context, i) for i in range(2)]
+        contexts = [[ContextSlice(prefill.context, i)] for i in range(2)]
         outputs.append((prefill, drafter.draft(DraftInput([0, 1], prefill.first_tokens, contexts, top_k=4))))
     (remote_prefill, remote_draft), (local_prefill, local_draft) = outputs
     assert isinstance(remote_prefill.context, ray.ObjectRef)  # the coordinator holds a reference

@@ -193,3 +193,27 @@ def test_grpc_token_id_prompt_and_explicit_max_tokens_reach_the_generation_reque
     request = grpc_adapter()._grpc_request(raw.SerializeToString(), _Context())
     assert request.prompt == (3, 4) and request.sampling.max_tokens == 7
     assert request.max_tokens_param == "sampling.max_tokens"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_draft_budget_extension_reaches_the_sampling_params(endpoint: str) -> None:
+    def body(**fields: Any) -> CompletionRequest | ChatCompletionRequest:
+        if endpoint == "completions":
+            return CompletionRequest(prompt="hi", **fields)
+        return ChatCompletionRequest(**CHAT, **fields)
+
+    assert body(draft_budget=8).sampling_params(DEFAULTS).draft_budget == 8
+    assert body().sampling_params(DEFAULTS).draft_budget is None
+
+
+def test_grpc_draft_budget_reaches_the_sampling_params_and_is_checked() -> None:
+    with_budget = pb2.GenerateRequest(prompt="hi", sampling=pb2.SamplingParams(draft_budget=4))
+    assert (
+        grpc_adapter()._grpc_request(with_budget.SerializeToString(), _Context()).sampling.draft_budget == 4
+    )
+    unset = pb2.GenerateRequest(prompt="hi")
+    assert grpc_adapter()._grpc_request(unset.SerializeToString(), _Context()).sampling.draft_budget is None
+    zero = pb2.GenerateRequest(prompt="hi", sampling=pb2.SamplingParams(draft_budget=0))
+    with pytest.raises(RequestError) as raised:
+        grpc_adapter()._grpc_request(zero.SerializeToString(), _Context())
+    assert raised.value.param == "sampling.draft_budget"
