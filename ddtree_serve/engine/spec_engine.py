@@ -10,7 +10,6 @@ one loop serves plain decoding, chains and DDTrees.
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -31,7 +30,7 @@ from ddtree_serve.engine.scheduler import ScheduledStep, Scheduler
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.stop import StopChecker
 from ddtree_serve.engine.timing import Stage, StageTimer
-from ddtree_serve.tree import DraftTree, VerifyBatch, build_chain, build_ddtree, build_verify_batch
+from ddtree_serve.engine.tree_builder import BuiltTrees, TreeBuilder
 
 
 class SpecEngine:
@@ -44,7 +43,10 @@ class SpecEngine:
         drafter: Drafter | None,
         tokenizer: Tokenizer,
         timer: StageTimer | None = None,
+        tree_builder: TreeBuilder | None = None,
     ) -> None:
+        """`tree_builder`: where the build stage runs (default: on the device when the draft
+        lies on CUDA, with CUDA graphs; else on the host)."""
         if settings.mode != "ar" and drafter is None:
             raise ValueError(f"mode {settings.mode!r} needs a drafter")
         self.settings = settings
@@ -52,6 +54,7 @@ class SpecEngine:
         self.drafter = drafter if settings.mode != "ar" else None
         self.tokenizer = tokenizer
         self.timer = timer or StageTimer(enabled=settings.record_timings)
+        self.tree_builder = tree_builder or TreeBuilder()
         self.vocab_size = target.vocab_size
         self.block_size = 1 if self.drafter is None else self.drafter.block_size
         # Cache rows one step's padded tree may take past the cached prefix (root included).
@@ -128,11 +131,11 @@ class SpecEngine:
             with self.timer.stage(Stage.DRAFT):
                 draft = self._draft(running)
             with self.timer.stage(Stage.BUILD):
-                trees, batch = self._build(running, draft)
+                trees = self._build(running, draft)
             with self.timer.stage(Stage.VERIFY):
-                verdict = self._verify(running, batch)
+                verdict = self._verify(running, trees)
             with self.timer.stage(Stage.APPEND):
-                self._append(running, trees, verdict)
+                self._append(running, verdict)
         return self._postprocess(scheduled)
 
     def _prefill(self, requests: list[Request]) -> None:
@@ -162,33 +165,24 @@ class SpecEngine:
         _check_positions(requests, draft.num_context_tokens)
         return draft
 
-    def _build(
-        self, requests: list[Request], draft: DraftOutput | None
-    ) -> tuple[list[DraftTree], VerifyBatch]:
-        """Host side: one tree per request from its draft, then the padded verify batch."""
-        trees: list[DraftTree] = []
-        if draft is None:
-            trees = [build_chain(np.empty(0, dtype=np.int64), _bonus(r)) for r in requests]
-        elif self.settings.mode == "chain":
-            ids, logp = draft.ids[:, :, 0].numpy(), draft.logp[:, :, 0].numpy()  # [B, L]
-            trees = [build_chain(ids[i], _bonus(r), logp[i]) for i, r in enumerate(requests)]
-        else:
-            ids, logp = draft.ids.numpy(), draft.logp.numpy()  # [B, L, K]
-            for i, request in enumerate(requests):
-                k = self._top_k(request)
-                trees.append(
-                    build_ddtree(logp[i, :, :k], ids[i, :, :k], self._budget(request), _bonus(request))
-                )
-        return trees, build_verify_batch(trees)
+    def _build(self, requests: list[Request], draft: DraftOutput | None) -> BuiltTrees:
+        """One tree per request from its draft, padded into the verify batch (host or device)."""
+        return self.tree_builder.build(
+            None if draft is None else draft.logp,
+            None if draft is None else draft.ids,
+            [self._budget(r) for r in requests],
+            [_bonus(r) for r in requests],
+            chain=self.settings.mode == "chain",
+        )
 
-    def _verify(self, requests: list[Request], batch: VerifyBatch) -> VerifyOutput:
+    def _verify(self, requests: list[Request], trees: BuiltTrees) -> VerifyOutput:
         """One target call: forward over every tree, accept a path, commit its KV."""
         sampling = _sampling_batch([r.params for r in requests], self.vocab_size)
         coins = coin_final = None
         if not sampling.all_greedy:
             # Per request: one coin per real node then the final coin, all from its generator,
             # so a seeded request draws the same coins whatever batch it runs in.
-            num_nodes = batch.num_nodes.tolist()
+            batch, num_nodes = trees.batch, trees.num_nodes
             coins = torch.zeros(batch.batch_size, batch.padded_num_nodes, dtype=torch.float32)
             coin_final = torch.zeros(batch.batch_size, dtype=torch.float32)
             for i, request in enumerate(requests):
@@ -200,7 +194,7 @@ class SpecEngine:
         return self.target.verify_and_commit(
             VerifyInput(
                 [_slot(r) for r in requests],
-                batch,
+                trees.batch,
                 sampling,
                 coins,
                 coin_final,
@@ -208,15 +202,14 @@ class SpecEngine:
             )
         )
 
-    def _append(self, requests: list[Request], trees: list[DraftTree], verdict: VerifyOutput) -> None:
+    def _append(self, requests: list[Request], verdict: VerifyOutput) -> None:
         """Append each request's accepted tokens and bonus; stops drop what follows them."""
-        accept_index = verdict.accept_index.tolist()
+        accept_tokens = verdict.accept_tokens.tolist()
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
         for i, request in enumerate(requests):
             request.num_cached_tokens = verdict.num_cached_tokens[i]
-            accepted_nodes = accept_index[i][1 : 1 + accept_len[i]]
-            new_tokens = [*trees[i].token_ids[accepted_nodes].tolist(), bonus_tokens[i]]
+            new_tokens = [*accept_tokens[i][1 : 1 + accept_len[i]], bonus_tokens[i]]
             request.steps += 1
             request.num_step_tokens += len(new_tokens)
             request.bonus_token = bonus_tokens[i]

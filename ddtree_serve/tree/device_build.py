@@ -136,6 +136,20 @@ def build_ddtree_batch(
     return DeviceTreeBatch(verify=verify, logws=node_plane(0.0, logws.gather(1, chosen), 0.0))
 
 
+def num_device_tree_nodes(budget: int, num_positions: int, num_ranks: int, budget_max: int) -> int:
+    """Nodes (root included) of the tree `build_ddtree_batch` makes for `budget`, on the host.
+
+    Known from the shapes alone (the kept levels' widths), so a caller can size per-node data
+    such as sampling coins without reading the device. Equals the host builder's tree size.
+    """
+    num_levels = min(num_positions, budget_max) if num_ranks else 0
+    width, num_kept = 1, 0
+    for _ in range(num_levels):
+        width = min(width * num_ranks, budget_max)
+        num_kept += width
+    return 1 + max(0, min(budget, num_kept, budget_max))
+
+
 def _kept_levels(logp: torch.Tensor, num_levels: int, budget_max: int) -> list[_Level]:
     """Levels 1..num_levels, each the best `budget_max` children of the previous level's nodes.
 
