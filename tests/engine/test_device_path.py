@@ -6,10 +6,13 @@ the "device" greedy backend explicitly.
 """
 
 import dataclasses
+import warnings
 
 import pytest
+import torch
 
 from ddtree_serve.engine.builder import build_draft_step, build_target_step
+from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.engine.target_step import TargetStep
@@ -19,6 +22,7 @@ from tests.engine.conftest import REFERENCE_TOKENS, run_to_completion
 from tests.engine.fakes import OracleDrafter, RecordingTarget
 
 GREEDY = SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True)
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def real_pair_engine(make_pair_config, pair_tokenizer, placement: str, **overrides) -> SpecEngine:
@@ -90,3 +94,45 @@ def test_seeded_sampling_is_token_for_token_the_same_with_either_builder(
         outputs[placement] = run_to_completion(engine)
     assert outputs["device"] == outputs["host"]
     assert len({tuple(tokens) for tokens in outputs["host"].values()}) == len(prompt_ids)
+
+
+def steady_state_syncs(engine: SpecEngine, num_steps: int) -> list[int]:
+    """Synchronizing CUDA calls (torch's sync debug mode) in each of `num_steps` engine steps."""
+    syncs = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(num_steps):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+            syncs.append(sum("synchronizing" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return syncs
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize(("mode", "budget"), [("ar", 1), ("chain", 1), ("ddtree", 8)])
+def test_cuda_step_reads_the_device_once_and_matches_the_host_build(
+    make_pair_config, pair_tokenizer, prompt_ids, mode, budget
+):
+    """On CUDA the default engine (device build, graphs, event timer) syncs once per step and
+    emits the host build's tokens (float32)."""
+    outputs = {}
+    for placement in ("host", "auto"):
+        config = make_pair_config(
+            mode=mode, budget=budget, max_num_seqs=3, device="cuda", max_seq_len=256, record_timings=True
+        )
+        engine = build_local_engine(config)
+        if placement == "host":
+            engine.tree_builder = TreeBuilder("host")
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        for i, prompt in enumerate(prompt_ids):
+            engine.add_request(str(i), prompt, params)
+        if placement == "auto":
+            for _ in range(3):  # prefill and the graphs' first captures
+                engine.step()
+            assert steady_state_syncs(engine, 3) == [1, 1, 1]
+        outputs[placement] = run_to_completion(engine)
+    assert outputs["auto"] == outputs["host"]
