@@ -1,9 +1,10 @@
 """`DraftStep`: the drafter's half of a decoding step, whichever transport calls it.
 
 It owns a `DFlashDrafter`: appends each slot's new context features, drafts the next block
-and returns its top-K where the drafter runs (no copy: on CUDA the engine builds the trees
-there; over Ray the transport brings them to the host). In process the engine calls it directly; over
-Ray a `DrafterWorker` holds one and adds only transport. It reads context handles made by
+and returns its top-K where the drafter runs (no copy here: the engine's tree builder takes
+it to the host in one copy or builds where it lies; over Ray the transport moves it). In
+process the engine calls it directly; over Ray a `DrafterWorker` holds one and adds only
+transport. It reads context handles made by
 `TargetStep` (lists of tensors, one per request).
 """
 

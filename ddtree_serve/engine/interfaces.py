@@ -17,14 +17,14 @@ an `ObjectRef` that the coordinator never pulls.
 Per step, for the running requests in slots `slots` (batch order fixed by the engine):
 
     draft   = drafter.draft(DraftInput(slots, bonus_tokens, contexts, top_k))  # not in mode "ar"
-    trees   = TreeBuilder.build(draft.logp, draft.ids, ...)  (engine: host or draft's device)
+    trees   = TreeBuilder.build(draft.logp, draft.ids, ...)  (engine: host, or draft's device)
     verdict = target.verify_and_commit(VerifyInput(slots, trees.batch, ...))
     # verdict.context -> ContextSlice(verdict.context, i) is request i's next drafter context
 
-Where tensors lie: the draft's top-K stays on the drafter's device (in process on CUDA the
-engine builds the trees there, and the verify batch goes to the target on the device, so
-nothing between the draft and the verify forward waits for the host; over Ray the transport
-brings them to the host and the coordinator builds there). Everything the target returns is
+Where tensors lie: the draft's top-K stays on the drafter's device. The engine's tree builder
+copies it to the host in one copy and builds there (the default), or, in process, builds on
+that device and hands the target a device batch, so nothing between the draft and the verify
+forward waits for the host; over Ray the transport brings it to the host. Everything the target returns is
 on the CPU, in one device -> host copy per call: the engine's bookkeeping reads it. Other
 tensors passed in are CPU tensors that the implementation moves to its device.
 """

@@ -1,8 +1,7 @@
 """The in-process engine: `SpecEngine` calling the target and draft steps directly.
 
 No transport: the context handle is the list of device tensors `TargetStep` made, so the
-drafter reads the target's features without a copy, and on CUDA the draft's top-K stays on
-the device for the build stage. One `StageTimer` serves the engine and both steps, so the
+drafter reads the target's features without a copy. One `StageTimer` serves the engine and both steps, so the
 forward passes are timed inside their stages.
 """
 

@@ -45,8 +45,8 @@ class SpecEngine:
         timer: StageTimer | None = None,
         tree_builder: TreeBuilder | None = None,
     ) -> None:
-        """`tree_builder`: where the build stage runs (default: on the device when the draft
-        lies on CUDA, with CUDA graphs; else on the host)."""
+        """`tree_builder`: where the build stage runs (default: the host; `TreeBuilder("device")`
+        builds where the draft lies)."""
         if settings.mode != "ar" and drafter is None:
             raise ValueError(f"mode {settings.mode!r} needs a drafter")
         self.settings = settings
