@@ -18,7 +18,9 @@ Inside a program, each step over K reads `BLOCK_K / 8` int32 words per output co
 in memory (the checkpoint's `[N, K / 8]` layout), once. Nibble j of word w is column `8 w + j`,
 so the step is eight small dots: for each j, the activation columns `8 w + j` against the
 nibble-j values times their group scales, dequantized to the activation dtype in registers: the
-bf16 weight matrix never exists in memory.
+bf16 weight matrix never exists in memory. The activations are handed over in nibble-major order
+(`nibble_major`: within each K step, column `16 j + w` holds column `8 w + j`), so the
+activation tile of each small dot is a contiguous load.
 """
 
 from dataclasses import dataclass
@@ -46,16 +48,17 @@ class TileConfig:
 
 # small M (decode, small trees): memory-bound, narrow N tiles for many programs in flight;
 # large M: wider N tiles for tensor-core work per weight byte
+# (the best of a small sweep on the H200 at K2.6 widths, bench/kimi_slice.py's token counts)
 TILE_CONFIGS = {
-    16: TileConfig(block_n=64, num_warps=4, num_stages=4),
-    32: TileConfig(block_n=64, num_warps=4, num_stages=4),
-    64: TileConfig(block_n=128, num_warps=8, num_stages=3),
+    16: TileConfig(block_n=128, num_warps=4, num_stages=4),
+    32: TileConfig(block_n=128, num_warps=4, num_stages=3),
+    64: TileConfig(block_n=128, num_warps=4, num_stages=3),
 }
 
 
 @triton.jit
 def _w4a16_grouped_gemm_kernel(
-    a_ptr,  # [rows, K] activations
+    a_ptr,  # [rows, >= K] activations, nibble-major (`nibble_major`)
     a_row_ptr,  # [num_slots] int32: the activation row each slot reads, -1 = padding
     packed_ptr,  # [E, N, K / 8] int32
     scale_ptr,  # [E, N, K / GROUP_SIZE]
@@ -92,23 +95,21 @@ def _w4a16_grouped_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     words = tl.arange(0, WORDS)  # [W]: word w of a step holds columns 8 w .. 8 w + 7
-    a_base = a_ptr + a_rows[:, None] * stride_am + (words * 8)[None, :]  # [BLOCK_M, W]
+    a_base = a_ptr + a_rows[:, None] * stride_am + words[None, :]  # [BLOCK_M, W]
     word_base = packed_ptr + expert * stride_pe + cols[:, None].to(tl.int64) * stride_pn + words[None, :]
     scale_base = scale_ptr + expert * stride_se + cols[:, None].to(tl.int64) * stride_sn
     scale_base += (words * 8 // GROUP_SIZE)[None, :]  # [BLOCK_N, W]: the group of each word
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if EVEN_K:  # noqa: SIM108 (a constexpr branch: no mask along K when K is whole steps)
             w_mask = col_ok[:, None]
-            a_mask = row_ok[:, None]
-        else:
-            k_ok = k0 + words * 8 < K
-            w_mask = col_ok[:, None] & k_ok[None, :]
-            a_mask = row_ok[:, None] & k_ok[None, :]
+        else:  # the activations' padding is zero; the weights' would be out of bounds
+            w_mask = col_ok[:, None] & (k0 + words * 8 < K)[None, :]
         packed = tl.load(word_base + k0 // 8, mask=w_mask, other=0)  # [BLOCK_N, W] int32
         scales = tl.load(scale_base + k0 // GROUP_SIZE, mask=w_mask, other=0.0).to(tl.float32)
         for j in tl.static_range(8):
-            a = tl.load(a_base + (k0 + j), mask=a_mask, other=0.0)  # [BLOCK_M, W]: columns 8 w + j
+            # [BLOCK_M, W]: the activation columns 8 w + j, contiguous in nibble-major order
+            a = tl.load(a_base + (k0 + j * WORDS), mask=row_ok[:, None], other=0.0)
             nibbles = (packed >> (4 * j)) & 0xF  # the mask drops the sign extension
             w = ((nibbles - 8).to(tl.float32) * scales).to(a.dtype)  # [BLOCK_N, W]
             acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
@@ -170,6 +171,20 @@ def plan_routes(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Rou
     return RoutePlan(block_m, token_rows, slot_rows, pair_slot, block_expert)
 
 
+def nibble_major(a: torch.Tensor) -> torch.Tensor:
+    """`a [rows, K]` -> `[rows, K padded to BLOCK_K]`: within each K step, column `16 j + w` is `8 w + j`.
+
+    One copy of the activations (zero padding past K), so the kernel's eight dots per step each
+    read a contiguous activation tile.
+    """
+    rows, k = a.shape
+    padded = triton.cdiv(k, BLOCK_K) * BLOCK_K
+    words = BLOCK_K // INT4_PER_WORD
+    if padded != k:
+        a = F.pad(a, (0, padded - k))
+    return a.reshape(rows, padded // BLOCK_K, words, INT4_PER_WORD).transpose(2, 3).reshape(rows, padded)
+
+
 def grouped_w4a16_gemm(
     a: torch.Tensor,
     a_rows: torch.Tensor,
@@ -185,7 +200,6 @@ def grouped_w4a16_gemm(
     (row -1) come out as zeros; slots of unused blocks are left unwritten (no pair maps to them,
     so nothing reads them).
     """
-    a = a.contiguous()
     n = packed.shape[1]
     k = a.shape[1]
     if packed.shape[2] * INT4_PER_WORD != k or BLOCK_K % group_size:
@@ -194,6 +208,7 @@ def grouped_w4a16_gemm(
     num_blocks = block_expert.shape[0]
     out = torch.empty(a_rows.shape[0], n, dtype=a.dtype, device=a.device)
     grid = (num_blocks * triton.cdiv(n, tile.block_n),)
+    a = nibble_major(a)
     _w4a16_grouped_gemm_kernel[grid](
         a,
         a_rows,
