@@ -21,6 +21,10 @@ Per step, for the running requests in slots `slots` (batch order fixed by the en
     verdict = target.verify_and_commit(VerifyInput(slots, build_verify_batch(trees), ...))
     # verdict.context -> ContextSlice(verdict.context, i) is request i's next drafter context
 
+When a model is lost the call raises: `DrafterUnavailableError` (the engine decodes plainly and
+later rebuilds the drafter's context with `Target.encode_context`) or `TargetUnavailableError`
+(the KV caches are gone: every running request ends).
+
 All tensors returned across the seam are on the CPU (the engine does host-side bookkeeping on
 them); tensors passed in are CPU tensors that the implementation moves to its device.
 """
@@ -41,6 +45,19 @@ Produced by `Target.prefill` (entry i: the prompt's features, `[T_i, F]`) and
 `Target.verify_and_commit`
 (entry i: features of the root and accepted nodes, `[1 + accept_len_i, F]`). Only the
 `Drafter` that consumes it may look inside."""
+
+
+class DrafterUnavailableError(RuntimeError):
+    """The drafter cannot draft now (its process died, or is restarting): its context is lost.
+
+    Not fatal: the drafter only speeds decoding up, so the engine verifies root-only trees
+    (plain decoding, lossless) until `Drafter.is_available` says a drafter is back."""
+
+
+class TargetUnavailableError(RuntimeError):
+    """The target is gone (its process died): every slot's KV cache went with it.
+
+    Fatal for the requests in flight; a caller may retry them once the target is back."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,14 @@ class DraftOutput:
 
 
 @dataclass(frozen=True)
+class EncodeInput:
+    """Each slot's cached text, to re-encode into context features for a drafter that lost it."""
+
+    slots: Sequence[int]  # [B]
+    token_ids: Sequence[Sequence[int]]  # [B][T_b]: exactly the T_b tokens in slot b's cache
+
+
+@dataclass(frozen=True)
 class VerifyInput:
     """One tree per slot to verify on top of its cache, with the coins of the sampling walk."""
 
@@ -174,6 +199,14 @@ class Target(Protocol):
         """
         ...
 
+    def encode_context(self, inputs: EncodeInput) -> ContextHandle:
+        """Context features of each slot's cached text (entry b: `[T_b, F]`); the cache is unchanged.
+
+        A features-only forward for a drafter that lost its context: handed to it as every
+        request's pending context, it makes the drafter's context equal the target's cache again.
+        """
+        ...
+
     def release(self, slot: int) -> None:
         """Forget the slot's cache so a new request can take it."""
         ...
@@ -190,6 +223,15 @@ class Drafter(Protocol):
 
     def draft(self, inputs: DraftInput) -> DraftOutput:
         """Append each slot's new context, then propose the next block after its bonus token."""
+        ...
+
+    def is_available(self) -> bool:
+        """Whether a drafter takes calls now; never blocks. Asked after a `DrafterUnavailableError`.
+
+        Once it says True the engine releases every slot and hands each running request its
+        whole context again, so a drafter that comes back (a fresh process, or the old one after
+        a transient loss) needs no state of its own to resume.
+        """
         ...
 
     def release(self, slot: int) -> None:
