@@ -83,13 +83,15 @@ def _start_actors(
             )
         return worker_options
 
-    drafter = None
+    drafter_actor = None
     target_bundle = DRAFTER_BUNDLE
     if drafter_factory is not None:
         drafter_actor = DrafterWorker.options(
             **options(placement.drafter, DRAFTER_BUNDLE), max_restarts=DRAFTER_MAX_RESTARTS
         ).remote(drafter_factory)
-        drafter = RayDrafter(drafter_actor)
         target_bundle = TARGET_BUNDLE
     target_actor = TargetWorker.options(**options(placement.target, target_bundle)).remote(target_factory)
-    return RayTarget(target_actor), drafter
+    # Both workers start (process, imports, model load) at once; each adapter waits for its own,
+    # so a group comes up, or is replaced after a fault, in the time of the slower one.
+    target = RayTarget(target_actor)
+    return target, RayDrafter(drafter_actor) if drafter_actor is not None else None
