@@ -49,7 +49,8 @@ def local_cluster(spec: LocalClusterSpec, temp_dir: Path) -> Iterator[Cluster]:
     }
     if spec.metrics_export_port is not None:
         head_args["metrics_export_port"] = spec.metrics_export_port
-    cluster = Cluster(initialize_head=True, head_node_args=head_args, shutdown_at_exit=False)
+    # shutdown_at_exit: a node that fails to start is still killed when this process exits.
+    cluster = Cluster(initialize_head=True, head_node_args=head_args, shutdown_at_exit=True)
     try:
         for _ in range(spec.num_gpu_nodes):
             add_gpu_node(cluster, spec)

@@ -4,7 +4,8 @@ group and back down after the delay, and move when their node is removed; greedy
 the in-process engine's throughout.
 
 Each node has 2 fake GPUs and a group takes 2 (drafter 1 + target 1), so at most one group fits
-a node and the head (no GPUs, no B300) hosts none: 3 groups = one per node. Delays and windows
+a node and the head (no GPUs, no B300) hosts none. At most 2 groups on 3 nodes: the free node
+takes the group whose node is removed. Delays and windows
 are short so the module runs in about two minutes on 2 cores. Slow: a real multi-node cluster.
 """
 
@@ -36,7 +37,7 @@ from tests.serve.conftest import tiny_serve_config
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SPEC = LocalClusterSpec(num_gpu_nodes=3, gpus_per_node=2, cpus_per_node=1.0)
-MAX_GROUPS = 3
+MAX_GROUPS = 2  # of 3 nodes: the third takes the group whose node is removed
 PROMPTS = ["def add(a, b):", "The quick brown fox", "import os\nimport sys", "for i in range(10):"]
 MAX_TOKENS = 40
 NUM_CLIENTS = 8  # 4x one group's slots (2) plus its queue: saturates one group
@@ -233,6 +234,7 @@ def test_removing_a_groups_node_moves_the_group_and_the_service_keeps_answering(
     for thread in threads:
         thread.join(timeout=150)
     assert len(in_flight) == 2  # neither hung
+    print("IN_FLIGHT", in_flight)
     for request in in_flight:
         last = request["events"][-1]
         # An in-flight request on the removed node ends with an error the client can retry.
