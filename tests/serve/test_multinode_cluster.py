@@ -36,7 +36,8 @@ from tests.serve.conftest import tiny_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SPEC = LocalClusterSpec(num_gpu_nodes=3, gpus_per_node=2, cpus_per_node=1.0)
+# 0.4 CPUs per node: room for a group (0.3), not for the ingress (0.5), which stays on the head.
+SPEC = LocalClusterSpec(num_gpu_nodes=3, gpus_per_node=2, cpus_per_node=0.4)
 MAX_GROUPS = 2  # of 3 nodes: the third takes the group whose node is removed
 PROMPTS = ["def add(a, b):", "The quick brown fox", "import os\nimport sys", "for i in range(10):"]
 MAX_TOKENS = 40
@@ -62,7 +63,7 @@ def served(tiny_model_dirs: TinyModelDirs) -> Iterator[Served]:
             "target": {"num_cpus": 0.1, "num_gpus": 1},
             "node_type": {"accelerator_type:B300": 0.001},
         },
-        ingress={"num_cpus": 0.25},
+        ingress={"num_cpus": 0.5},
         autoscaling={
             "policy": "speculation",
             "min_replicas": 1,
@@ -234,11 +235,10 @@ def test_removing_a_groups_node_moves_the_group_and_the_service_keeps_answering(
     for thread in threads:
         thread.join(timeout=150)
     assert len(in_flight) == 2  # neither hung
-    print("IN_FLIGHT", in_flight)
     for request in in_flight:
         last = request["events"][-1]
-        # An in-flight request on the removed node ends with an error the client can retry.
-        assert "error" in last or "transport_error" in last, last
+        # An in-flight request on the removed node ends with an error event, not a hang or a cut.
+        assert "error" in last, last
 
     answers: list[tuple[int, str, str]] = []
 
