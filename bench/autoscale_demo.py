@@ -66,12 +66,12 @@ def serve_config(policy: str, args: argparse.Namespace, ports: tuple[int, int]) 
                 "budget": 16,
             },
             "placement": {
-                "coordinator": {"num_cpus": 0.1},
-                "drafter": {"num_cpus": 0.1, "num_gpus": 1},
-                "target": {"num_cpus": 0.1, "num_gpus": 1},
+                "coordinator": {"num_cpus": 0},  # group nodes carry no CPUs (local_cluster.py)
+                "drafter": {"num_cpus": 0, "num_gpus": 1},
+                "target": {"num_cpus": 0, "num_gpus": 1},
                 "node_type": {"accelerator_type:B300": 0.001},
             },
-            "ingress": {"num_cpus": 0.5, "max_ongoing_requests": 512},  # too big for a group node
+            "ingress": {"num_cpus": 0.25, "max_ongoing_requests": 512},
             "autoscaling": {
                 "policy": policy,
                 "min_replicas": 1,
@@ -153,7 +153,7 @@ def free_port() -> int:
 
 def run_policy(policy: str, args: argparse.Namespace) -> Run:
     config = serve_config(policy, args, (free_port(), free_port()))
-    spec = LocalClusterSpec(num_gpu_nodes=args.nodes, gpus_per_node=2, cpus_per_node=0.4)
+    spec = LocalClusterSpec(num_gpu_nodes=args.nodes, gpus_per_node=2)
     temp_dir = Path(tempfile.mkdtemp(prefix="ddtree-autoscale-"))
     run = Run(policy)
     try:

@@ -84,8 +84,13 @@ class PlacementConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_bundles(self) -> "PlacementConfig":
-        for role in ("coordinator", "drafter", "target"):
-            if not getattr(self, role).bundle():
+        bundles = {
+            "coordinator": self.coordinator_bundle(),  # bundle 0 also holds the node type
+            "drafter": self.drafter.bundle(),
+            "target": self.target.bundle(),
+        }
+        for role, bundle in bundles.items():
+            if not bundle:
                 raise ValueError(
                     f"placement.{role} reserves no resources: a placement bundle cannot be empty"
                 )

@@ -3,8 +3,9 @@
 `ray.cluster_utils.Cluster` starts each node as its own raylet: a head that carries no GPUs
 (Serve's controller, proxies and the ingress live there) and `num_gpu_nodes` nodes with fake
 GPUs and a node-type resource, so speculation groups land on them only, one STRICT_PACK
-placement group per group, and a node can be removed while the service runs. Logical CPUs are
-small so the whole cluster schedules on a 2-core machine.
+placement group per group, and a node can be removed while the service runs. The group nodes
+carry no logical CPUs (Ray wants whole numbers): groups placed on them reserve GPUs and the node
+type only, and anything that asks for a CPU, the ingress included, stays on the head.
 """
 
 import os
@@ -27,8 +28,8 @@ class LocalClusterSpec:
 
     num_gpu_nodes: int = 3
     gpus_per_node: int = 2
-    cpus_per_node: float = 1.0
-    head_cpus: float = 1.0
+    cpus_per_node: int = 0
+    head_cpus: int = 1
     node_resources: Mapping[str, float] = field(default_factory=lambda: {"accelerator_type:B300": 1.0})
     object_store_bytes: int = 80 * 1024 * 1024
     metrics_export_port: int | None = None  # the head's Prometheus endpoint

@@ -36,8 +36,7 @@ from tests.serve.conftest import tiny_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# 0.4 CPUs per node: room for a group (0.3), not for the ingress (0.5), which stays on the head.
-SPEC = LocalClusterSpec(num_gpu_nodes=3, gpus_per_node=2, cpus_per_node=0.4)
+SPEC = LocalClusterSpec(num_gpu_nodes=3, gpus_per_node=2)  # group nodes: no CPUs, the ingress on the head
 MAX_GROUPS = 2  # of 3 nodes: the third takes the group whose node is removed
 PROMPTS = ["def add(a, b):", "The quick brown fox", "import os\nimport sys", "for i in range(10):"]
 MAX_TOKENS = 40
@@ -58,12 +57,12 @@ def served(tiny_model_dirs: TinyModelDirs) -> Iterator[Served]:
         tiny_model_dirs,
         engine={"max_num_seqs": 2, "max_queue_len": 16},
         placement={
-            "coordinator": {"num_cpus": 0.1},
-            "drafter": {"num_cpus": 0.1, "num_gpus": 1},
-            "target": {"num_cpus": 0.1, "num_gpus": 1},
+            "coordinator": {"num_cpus": 0},
+            "drafter": {"num_cpus": 0, "num_gpus": 1},
+            "target": {"num_cpus": 0, "num_gpus": 1},
             "node_type": {"accelerator_type:B300": 0.001},
         },
-        ingress={"num_cpus": 0.5},
+        ingress={"num_cpus": 0.25},
         autoscaling={
             "policy": "speculation",
             "min_replicas": 1,
