@@ -153,7 +153,7 @@ def free_port() -> int:
 
 def run_policy(policy: str, args: argparse.Namespace) -> Run:
     config = serve_config(policy, args, (free_port(), free_port()))
-    spec = LocalClusterSpec(num_gpu_nodes=args.nodes, gpus_per_node=2)
+    spec = LocalClusterSpec(num_gpu_nodes=args.nodes, gpus_per_node=2, log_to_driver=False)
     temp_dir = Path(tempfile.mkdtemp(prefix="ddtree-autoscale-"))
     run = Run(policy)
     try:

@@ -33,6 +33,7 @@ class LocalClusterSpec:
     node_resources: Mapping[str, float] = field(default_factory=lambda: {"accelerator_type:B300": 1.0})
     object_store_bytes: int = 80 * 1024 * 1024
     metrics_export_port: int | None = None  # the head's Prometheus endpoint
+    log_to_driver: bool = True  # replica and worker logs printed by this process
 
 
 @contextmanager
@@ -56,7 +57,7 @@ def local_cluster(spec: LocalClusterSpec, temp_dir: Path) -> Iterator[Cluster]:
         for _ in range(spec.num_gpu_nodes):
             add_gpu_node(cluster, spec)
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
+        ray.init(address=cluster.address, log_to_driver=spec.log_to_driver)
         yield cluster
     finally:
         ray.shutdown()
