@@ -8,6 +8,7 @@ format (template, end-of-turn stops) is read here, once, and handed to every ing
 
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import HTTPOptions, gRPCOptions
@@ -16,6 +17,7 @@ from ddtree_serve.serve.chat import ChatFormat
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.coordinator import Coordinator
 from ddtree_serve.serve.ingress import Ingress
+from ddtree_serve.serve.placement import report_unplaceable_group
 from ddtree_serve.serve.workers import DrafterFactory, TargetFactory
 
 GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
@@ -38,7 +40,12 @@ def build_app_with_models(
     target_factory: TargetFactory | None = None,
     drafter_factory: DrafterFactory | None = None,
 ) -> Application:
-    """`build_app` with custom in-process model builders for the workers (as in `Coordinator`)."""
+    """`build_app` with custom in-process model builders for the workers (as in `Coordinator`).
+
+    On a running cluster, a group no node can hold is reported here (`placement.py`).
+    """
+    if ray.is_initialized():
+        report_unplaceable_group(config)
     coordinator = serve.deployment(Coordinator, name="Coordinator").options(
         **Coordinator.get_deployment_options(config)
     )

@@ -15,6 +15,8 @@ from ddtree_serve.config import EngineConfig
 
 PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
+_SERVE_METRICS_INTERVAL_S = 10.0  # Ray Serve's default metrics_interval_s (2.60)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -65,11 +67,30 @@ class PlacementConfig(_Strict):
         description="Placement group strategy; STRICT_PACK keeps a group on one node so features "
         "move over local object transfer.",
     )
+    node_type: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom resources the node hosting a group must offer, reserved once per group "
+        "in its first bundle, e.g. {'accelerator_type:B300': 0.001}: with STRICT_PACK the whole "
+        "group lands on such a node. A per-node resource of 1 (e.g. {'ddtree_group_slot': 1} on "
+        "nodes started with that much) caps the groups per node.",
+    )
+
+    def coordinator_bundle(self) -> dict[str, float]:
+        """Bundle 0: the Coordinator replica's resources plus the group's node type."""
+        bundle = self.coordinator.bundle()
+        for name, amount in self.node_type.items():
+            bundle[name] = bundle.get(name, 0.0) + amount
+        return {name: amount for name, amount in bundle.items() if amount > 0}
 
     @model_validator(mode="after")
     def _check_bundles(self) -> "PlacementConfig":
-        for role in ("coordinator", "drafter", "target"):
-            if not getattr(self, role).bundle():
+        bundles = {
+            "coordinator": self.coordinator_bundle(),  # bundle 0 also holds the node type
+            "drafter": self.drafter.bundle(),
+            "target": self.target.bundle(),
+        }
+        for role, bundle in bundles.items():
+            if not bundle:
                 raise ValueError(
                     f"placement.{role} reserves no resources: a placement bundle cannot be empty"
                 )
@@ -104,19 +125,103 @@ class LimitsConfig(_Strict):
     )
 
 
+class SpeculationScalingConfig(_Strict):
+    """The speculation-aware policy's band (`serve/autoscaling.py`), in slot demand per group.
+
+    Slot demand is (running + queued requests) / max_num_seqs: 1.0 means every KV slot is busy
+    and nothing waits. A group's capacity is its slots, not a request count, so the policy sizes
+    the group count for `target_slot_demand`, adds groups above `upscale_slot_demand` (or when
+    a request waits too long for its first token, or speculation stops paying under load) and
+    removes one only when the demand fits the smaller count below `downscale_slot_demand`.
+    Between the two thresholds it holds: that gap is the hysteresis.
+    """
+
+    target_slot_demand: float = Field(
+        default=0.75, gt=0.0, description="Slot demand per group that the policy sizes the count for."
+    )
+    upscale_slot_demand: float = Field(
+        default=1.0, gt=0.0, description="Add groups when the mean slot demand per group exceeds this."
+    )
+    downscale_slot_demand: float = Field(
+        default=0.5,
+        ge=0.0,
+        description="Remove groups only when the mean slot demand per group is below this and the "
+        "demand fits fewer groups at target_slot_demand.",
+    )
+    max_queue_wait_s: float = Field(
+        default=2.0,
+        gt=0.0,
+        description="Add a group when, averaged over the look-back window, some group's oldest "
+        "request has waited this long for its first token (queue + prefill).",
+    )
+    min_tokens_per_step: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Add a group when the tokens one request commits per step (tau) fall below "
+        "this while slot demand is above downscale_slot_demand: under load the tree budget has "
+        "fallen towards 'no draft'. None = off (mode 'ar' always commits 1).",
+    )
+
+    @model_validator(mode="after")
+    def _check_band(self) -> "SpeculationScalingConfig":
+        if not self.downscale_slot_demand <= self.target_slot_demand < self.upscale_slot_demand:
+            raise ValueError(
+                "autoscaling.speculation needs downscale_slot_demand <= target_slot_demand < "
+                "upscale_slot_demand (the band the policy holds inside)"
+            )
+        return self
+
+
 class AutoscalingConfig(_Strict):
-    """Number of speculation groups (Coordinator replicas); min == max means a fixed count."""
+    """Number of speculation groups (Coordinator replicas); min == max means a fixed count.
+
+    `policy: generic` is Ray Serve's own (`target_ongoing_requests` per replica); `speculation`
+    scales on what the groups report about their slots, queue and speculation
+    (`speculation` section). The delays and windows apply to both; None = Ray Serve's default.
+    """
 
     min_replicas: int = Field(default=1, ge=1, description="Fewest speculation groups.")
     max_replicas: int = Field(default=1, ge=1, description="Most speculation groups.")
+    policy: Literal["generic", "speculation"] = Field(
+        default="generic",
+        description="'generic': Ray Serve's target_ongoing_requests policy; 'speculation': the "
+        "slot/queue/tau policy of ddtree_serve.serve.autoscaling.",
+    )
     target_ongoing_requests: float = Field(
-        default=8.0, gt=0.0, description="Ongoing requests per group the autoscaler aims for."
+        default=8.0,
+        gt=0.0,
+        description="Ongoing requests per group the generic policy aims for (unused by 'speculation').",
+    )
+    upscale_delay_s: float | None = Field(
+        default=None, ge=0.0, description="How long a scale-up must stay wanted before it happens."
+    )
+    downscale_delay_s: float | None = Field(
+        default=None, ge=0.0, description="How long a scale-down must stay wanted before it happens."
+    )
+    look_back_period_s: float | None = Field(
+        default=None, gt=0.0, description="Window over which Serve averages the groups' reports."
+    )
+    metrics_interval_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="How often each group pushes its reports to Serve's controller (Ray 2.60 reads "
+        "this deprecated field for the push; short values are for tests and demos).",
+    )
+    speculation: SpeculationScalingConfig = Field(
+        default_factory=SpeculationScalingConfig, description="The band of policy 'speculation'."
     )
 
     @model_validator(mode="after")
     def _check_range(self) -> "AutoscalingConfig":
         if self.max_replicas < self.min_replicas:
             raise ValueError("autoscaling.max_replicas must be >= min_replicas")
+        if self.look_back_period_s is not None:
+            push_s = self.metrics_interval_s or _SERVE_METRICS_INTERVAL_S
+            if self.look_back_period_s <= push_s:
+                raise ValueError(
+                    f"autoscaling.look_back_period_s ({self.look_back_period_s}) must exceed the push "
+                    f"interval metrics_interval_s ({push_s}): the window needs more than one report"
+                )
         return self
 
 

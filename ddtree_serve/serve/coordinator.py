@@ -26,11 +26,13 @@ from ddtree_serve.engine.interfaces import TargetUnavailableError
 from ddtree_serve.engine.request import RequestStats
 from ddtree_serve.engine.scheduler import QueueFullError
 from ddtree_serve.models import load_tokenizer
+from ddtree_serve.serve.autoscaling import serve_autoscaling_config
 from ddtree_serve.serve.chat import target_has_vision_tower
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError, invalid
 from ddtree_serve.serve.group import placement_bundles, start_workers
-from ddtree_serve.serve.observed_engine import ObservedEngine
+from ddtree_serve.serve.load import GroupLoad
+from ddtree_serve.serve.observed_engine import ObservedEngine, StepRecord
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest, Usage
 from ddtree_serve.serve.telemetry import GroupTelemetry
 from ddtree_serve.serve.workers import DrafterFactory, RayDrafter, RayTarget, TargetFactory
@@ -77,11 +79,7 @@ class Coordinator:
         if scaling.min_replicas == scaling.max_replicas:
             options["num_replicas"] = scaling.min_replicas
         else:
-            options["autoscaling_config"] = {
-                "min_replicas": scaling.min_replicas,
-                "max_replicas": scaling.max_replicas,
-                "target_ongoing_requests": scaling.target_ongoing_requests,
-            }
+            options["autoscaling_config"] = serve_autoscaling_config(scaling)
         return options
 
     def __init__(
@@ -100,13 +98,17 @@ class Coordinator:
         telemetry = GroupTelemetry(
             config.observability, drafter.block_size if drafter else 1, config.engine.budget
         )
+        load = GroupLoad(config.engine.max_num_seqs)
+
+        def observe(record: StepRecord) -> None:
+            telemetry.on_step(record)
+            load.on_step(record)
+
         tokenizer = load_tokenizer(target_dir(config.engine))
-        engine = ObservedEngine(
-            config.engine.to_settings(), target, drafter, tokenizer, observer=telemetry.on_step
-        )
+        engine = ObservedEngine(config.engine.to_settings(), target, drafter, tokenizer, observer=observe)
         llm = AsyncLLM(engine)
         telemetry.start_load_gauges(llm)
-        self._init_shared(config, llm, telemetry)
+        self._init_shared(config, llm, telemetry, load)
         self._actors = {
             role: worker.actor
             for role, worker in (("target", target), ("drafter", drafter))
@@ -124,13 +126,17 @@ class Coordinator:
         `telemetry` should be the observer of `llm`'s engine, if any; None = no metrics or spans.
         """
         coordinator = cls.__new__(cls)
-        coordinator._init_shared(config, llm, telemetry or GroupTelemetry.disabled())
+        load = GroupLoad(config.engine.max_num_seqs)  # not fed by steps: tokens per step read 0
+        coordinator._init_shared(config, llm, telemetry or GroupTelemetry.disabled(), load)
         return coordinator
 
-    def _init_shared(self, config: ServeConfig, llm: AsyncLLM, telemetry: GroupTelemetry) -> None:
+    def _init_shared(
+        self, config: ServeConfig, llm: AsyncLLM, telemetry: GroupTelemetry, load: GroupLoad
+    ) -> None:
         self._config = config
         self._llm = llm
         self._telemetry = telemetry
+        self._load = load
         engine_limit = llm.engine.max_prompt_tokens  # the engine knows its tree: one source of truth
         self._max_prompt_tokens = min(config.limits.max_prompt_tokens or engine_limit, engine_limit)
         self._ids = itertools.count()
@@ -158,7 +164,9 @@ class Coordinator:
             request.request_id, engine_id, request.trace_carrier, len(prompt_ids)
         ) as span:
             try:
-                outputs = self._llm.generate_stream(prompt_ids, request.sampling, engine_id)
+                outputs = self._load.watch(
+                    engine_id, self._llm.generate_stream(prompt_ids, request.sampling, engine_id)
+                )
                 async with aclosing(outputs):  # leaving early aborts the engine request now
                     async for output in outputs:
                         usage = None
@@ -201,6 +209,11 @@ class Coordinator:
             "speculating": int(engine.speculating),
             "drafter_losses": engine.num_drafter_losses,
         }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook: this group's load, read by the speculation
+        policy (`serve/autoscaling.py`) after Serve averages it over its look-back window."""
+        return self._load.stats(self._llm.engine.num_running, self._llm.engine.num_waiting)
 
     async def model_info(self) -> dict[str, Any]:
         engine = self._llm.engine

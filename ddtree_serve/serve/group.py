@@ -34,9 +34,9 @@ DRAFTER_MAX_RESTARTS = -1
 
 
 def placement_bundles(config: ServeConfig) -> list[dict[str, float]]:
-    """The group's placement-group bundles: coordinator, drafter (unless mode "ar"), target."""
+    """The group's placement-group bundles: coordinator (+ node type), drafter (unless mode "ar"), target."""
     placement = config.placement
-    bundles = [placement.coordinator.bundle()]
+    bundles = [placement.coordinator_bundle()]
     if config.engine.mode != "ar":
         bundles.append(placement.drafter.bundle())
     bundles.append(placement.target.bundle())

@@ -1,12 +1,15 @@
 """Ray metrics of one speculation group, exported on Ray's Prometheus endpoint.
 
-Created inside the Coordinator replica (`ray.serve.metrics` adds the deployment, replica and
-application tags). Names are prefixed `ddtree_`; Ray's exporter adds `ray_`.
+`GroupMetrics` is created inside the Coordinator replica (`ray.serve.metrics` adds the
+deployment, replica and application tags); `PolicyMetrics` inside Serve's controller, where the
+autoscaling policy runs (plain `ray.util.metrics`, tagged with the deployment it decides for).
+Names are prefixed `ddtree_`; Ray's exporter adds `ray_`.
 """
 
 from collections.abc import Mapping, Sequence
 
 from ray.serve import metrics
+from ray.util import metrics as ray_metrics
 
 from ddtree_serve.engine.timing import STEP_STAGES
 
@@ -83,3 +86,60 @@ class GroupMetrics:
 
     def record_rejection(self, reason: str) -> None:
         self.rejected_requests.inc(tags={"reason": reason})
+
+
+class PolicyMetrics:
+    """The speculation autoscaling policy's inputs and decisions, set on every control tick."""
+
+    _TAGS = ("deployment", "application")
+
+    def __init__(self) -> None:
+        self.slot_demand = ray_metrics.Gauge(
+            "ddtree_autoscaling_slot_demand",
+            description="Mean slot demand per group the policy saw: (running + queued) / max_num_seqs.",
+            tag_keys=self._TAGS,
+        )
+        self.queue_wait = ray_metrics.Gauge(
+            "ddtree_autoscaling_queue_wait_seconds",
+            description="Longest first-token wait of any group the policy saw (window mean).",
+            tag_keys=self._TAGS,
+        )
+        self.tokens_per_step = ray_metrics.Gauge(
+            "ddtree_autoscaling_tokens_per_step",
+            description="Tokens one request commits per step (tau) across groups, as the policy saw it.",
+            tag_keys=self._TAGS,
+        )
+        self.groups = ray_metrics.Gauge(
+            "ddtree_autoscaling_groups",
+            description="Speculation groups: reporting, proposed by the band, decided after delays.",
+            tag_keys=(*self._TAGS, "kind"),
+        )
+        self.decisions = ray_metrics.Counter(
+            "ddtree_autoscaling_decisions",
+            description="Changes of the group count the policy made, by direction.",
+            tag_keys=(*self._TAGS, "direction"),
+        )
+
+    def record(
+        self,
+        *,
+        deployment: str,
+        application: str,
+        slot_demand: float,
+        queue_wait_s: float,
+        tokens_per_step: float,
+        num_reporting: int,
+        num_proposed: int,
+        num_decided: int,
+        direction: str | None,
+    ) -> None:
+        """One control tick; `direction` is "up" / "down" when the decision changed the count."""
+        tags = {"deployment": deployment, "application": application}
+        self.slot_demand.set(slot_demand, tags=tags)
+        self.queue_wait.set(queue_wait_s, tags=tags)
+        self.tokens_per_step.set(tokens_per_step, tags=tags)
+        counts = {"reporting": num_reporting, "proposed": num_proposed, "decided": num_decided}
+        for kind, count in counts.items():
+            self.groups.set(count, tags={**tags, "kind": kind})
+        if direction is not None:
+            self.decisions.inc(tags={**tags, "direction": direction})
