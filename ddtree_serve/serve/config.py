@@ -27,8 +27,9 @@ class WorkerResources(_Strict):
     num_gpus: float = Field(
         default=0.0,
         ge=0.0,
-        description="GPUs reserved for the process; a target group of N GPUs sets N here "
-        "(one actor that owns all N devices).",
+        description="GPUs reserved for the process. A tensor-parallel target reserves 1 per rank "
+        "(`placement.tensor_parallel_size` ranks); with tensor_parallel_size 1, a target of N GPUs "
+        "sets N here (one actor that owns all N devices).",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -52,7 +53,17 @@ class PlacementConfig(_Strict):
         default_factory=WorkerResources, description="The DrafterWorker actor (DFlash drafter)."
     )
     target: WorkerResources = Field(
-        default_factory=WorkerResources, description="The TargetWorker actor (target model, KV cache)."
+        default_factory=WorkerResources,
+        description="One target rank: the TargetWorker actor (target model or its shard, KV cache); "
+        "each of the `tensor_parallel_size` ranks gets a bundle of these resources.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Ranks of the target group (vLLM's and SGLang's name): the target runs as this "
+        "many TargetWorker actors, one GPU each (`target.num_gpus` 1; 0 for CPU ranks), forming one "
+        "torch.distributed group (NCCL on CUDA, gloo on CPU) that shards attention heads, MLPs, "
+        "experts and the vocabulary; the coordinator still sees one target.",
     )
     workers: Literal["actors", "in_process"] = Field(
         default="actors",
@@ -75,6 +86,14 @@ class PlacementConfig(_Strict):
                 )
         if self.coordinator.num_gpus > 0:
             raise ValueError("placement.coordinator must not reserve GPUs: the models run in the workers")
+        if self.tensor_parallel_size > 1:
+            if self.target.num_gpus > 1:
+                raise ValueError(
+                    "placement.target is one rank's resources when tensor_parallel_size > 1: "
+                    f"set target.num_gpus to 1 (one GPU per rank), not {self.target.num_gpus}"
+                )
+            if self.workers != "actors":
+                raise ValueError("placement.tensor_parallel_size > 1 needs workers 'actors' (one per rank)")
         return self
 
 
@@ -170,6 +189,20 @@ class ServeConfig(_Strict):
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP proxy address.")
     grpc: GRPCConfig = Field(default_factory=GRPCConfig, description="gRPC proxy address.")
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig, description="Telemetry.")
+
+    @model_validator(mode="after")
+    def _check_target_group(self) -> "ServeConfig":
+        placement, device = self.placement, self.engine.device
+        if placement.tensor_parallel_size == 1:
+            return self
+        if device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"engine.device {device!r} with tensor_parallel_size > 1: use 'cuda' "
+                "(each rank runs on the GPU Ray gives it) or 'cpu'"
+            )
+        if device == "cuda" and placement.target.num_gpus != 1:
+            raise ValueError("a tensor-parallel target on CUDA needs placement.target.num_gpus 1 (per rank)")
+        return self
 
     @property
     def max_ongoing_per_group(self) -> int:

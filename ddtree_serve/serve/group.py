@@ -1,8 +1,9 @@
 """The processes of one speculation group: its placement bundles and the workers it starts.
 
 One Coordinator replica is one group and one placement group. Bundle 0 holds the replica
-itself (Serve's rule), then the drafter, then the target group; mode "ar" has no drafter and
-therefore no drafter bundle, so the target moves up to bundle 1. The workers are Ray actors in
+itself (Serve's rule), then the drafter, then the target group (one bundle per tensor-parallel
+rank, `target_group.py`); mode "ar" has no drafter and therefore no drafter bundle, so the target
+moves up to bundle 1. The workers are Ray actors in
 those bundles, or in-process models inside the replica (placement.workers = "in_process").
 """
 
@@ -14,6 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory
 from ddtree_serve.engine.interfaces import Drafter, Target
 from ddtree_serve.serve.config import ServeConfig, WorkerResources
+from ddtree_serve.serve.target_group import start_target_group
 from ddtree_serve.serve.workers import (
     DrafterFactory,
     DrafterWorker,
@@ -28,12 +30,12 @@ DRAFTER_BUNDLE, TARGET_BUNDLE = 1, 2
 
 
 def placement_bundles(config: ServeConfig) -> list[dict[str, float]]:
-    """The group's placement-group bundles: coordinator, drafter (unless mode "ar"), target."""
+    """The group's placement-group bundles: coordinator, drafter (unless mode "ar"), target ranks."""
     placement = config.placement
     bundles = [placement.coordinator.bundle()]
     if config.engine.mode != "ar":
         bundles.append(placement.drafter.bundle())
-    bundles.append(placement.target.bundle())
+    bundles.extend(placement.target.bundle() for _ in range(placement.tensor_parallel_size))
     return bundles
 
 
@@ -48,6 +50,10 @@ def start_workers(
     here; None = load `config.engine`'s model directories (tests inject fakes here).
     """
     engine_config = config.engine
+    if target_factory is not None and config.placement.tensor_parallel_size > 1:
+        raise ValueError(
+            "a target factory builds one process's target; a tensor-parallel group loads its ranks"
+        )
     target_factory = target_factory or TargetStepFactory(engine_config)
     if engine_config.mode == "ar":
         drafter_factory = None
@@ -85,5 +91,7 @@ def _start_actors(
         )
         drafter = RayDrafter(drafter_actor)
         target_bundle = TARGET_BUNDLE
+    if placement.tensor_parallel_size > 1:
+        return start_target_group(config, placement_group, target_bundle), drafter
     target_actor = TargetWorker.options(**options(placement.target, target_bundle)).remote(target_factory)
     return RayTarget(target_actor), drafter

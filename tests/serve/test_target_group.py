@@ -1,0 +1,162 @@
+"""The tensor-parallel target group: its placement, a served TP=2 request, and a rank that dies.
+
+The Ray tests share one local cluster (fake GPUs: drafter + two target ranks, gloo on CPU)
+serving the tiny pair through a TP=2 group; the rank-death test starts a second TP=2 group of
+CPU ranks from the driver, behind an in-process engine, and kills one of its ranks mid-request.
+"""
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import ray
+import torch
+from pydantic import ValidationError
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
+from ddtree_serve.engine.builder import target_dir
+from ddtree_serve.engine.interfaces import PrefillInput, SamplingBatch
+from ddtree_serve.engine.llm import LLM
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.models import load_tokenizer
+from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.coordinator import Coordinator
+from ddtree_serve.serve.target_group import TargetGroupError, start_target_group
+from tests.conftest import TinyModelDirs
+from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
+
+PROMPTS = ["def add(a, b):", "The quick brown fox"]
+MAX_TOKENS = 24
+
+
+def test_one_drafter_gpu_and_a_tp4_target_gives_hand_written_bundles() -> None:
+    config = ServeConfig.model_validate(
+        {
+            "engine": {"device": "cuda"},
+            "placement": {
+                "coordinator": {"num_cpus": 1},
+                "drafter": {"num_cpus": 2, "num_gpus": 1},
+                "target": {"num_cpus": 4, "num_gpus": 1, "resources": {"accelerator_type:H200": 0.001}},
+                "tensor_parallel_size": 4,
+            },
+        }
+    )
+    options = Coordinator.get_deployment_options(config)
+    rank = {"CPU": 4, "GPU": 1, "accelerator_type:H200": 0.001}
+    assert options["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 2, "GPU": 1}, rank, rank, rank, rank]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+
+
+def test_mode_ar_puts_the_ranks_right_after_the_coordinator() -> None:
+    config = ServeConfig.model_validate(
+        {"engine": {"mode": "ar"}, "placement": {"target": {"num_gpus": 1}, "tensor_parallel_size": 2}}
+    )
+    bundles = Coordinator.get_deployment_options(config)["placement_group_bundles"]
+    assert bundles == [{"CPU": 0.25}, {"CPU": 0.25, "GPU": 1}, {"CPU": 0.25, "GPU": 1}]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"placement": {"target": {"num_gpus": 2}, "tensor_parallel_size": 2}}, "one rank's resources"),
+        ({"placement": {"workers": "in_process", "tensor_parallel_size": 2}}, "needs workers 'actors'"),
+        (
+            {
+                "engine": {"device": "cuda:1"},
+                "placement": {"target": {"num_gpus": 1}, "tensor_parallel_size": 2},
+            },
+            "use 'cuda'",
+        ),
+        ({"engine": {"device": "cuda"}, "placement": {"tensor_parallel_size": 2}}, "num_gpus 1"),
+    ],
+)
+def test_impossible_target_groups_are_refused(raw: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        ServeConfig.model_validate(raw)
+
+
+# ---------------------------------------------------------------------------- on a Ray cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
+    raw = tiny_serve_config(
+        tiny_model_dirs,
+        placement={
+            "coordinator": {"num_cpus": 0.25},
+            "drafter": {"num_cpus": 0.25, "num_gpus": 1},
+            "target": {"num_cpus": 0.25, "num_gpus": 1},
+            "tensor_parallel_size": 2,
+        },
+        observability={"metrics": False},
+    )
+    yield from start_serve_cluster(raw, num_gpus=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_served_greedy_completion_through_a_tp2_group_equals_the_in_process_engine(
+    cluster: ServeCluster,
+) -> None:
+    reference = LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
+    expected = reference.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        response = httpx.post(
+            f"{cluster.http_url}/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["choices"][0]["text"] == want.text
+        assert body["usage"]["completion_tokens"] == len(want.token_ids)
+
+
+async def _first_then_rest(llm: AsyncLLM, prompt_ids: list[int], after_first: object) -> list[object]:
+    """Stream one request; call `after_first()` once its first output arrived; collect the rest."""
+    outputs = []
+    async for output in llm.generate_stream(
+        prompt_ids, SamplingParams(max_tokens=200, temperature=0.0), "r0"
+    ):
+        outputs.append(output)
+        if len(outputs) == 1:
+            after_first()  # type: ignore[operator]
+    return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_takes_its_group_down_with_a_clear_error(cluster: ServeCluster) -> None:
+    # plain decoding ("ar"): one target call per token, and no drafter to start
+    engine_config = EngineConfig.model_validate(
+        {**cluster.config.engine.model_dump(), "max_seq_len": 512, "mode": "ar"}
+    )
+    config = ServeConfig.model_validate(
+        {
+            "engine": engine_config.model_dump(),
+            "placement": {"target": {"num_cpus": 0.1}, "tensor_parallel_size": 2},
+        }
+    )
+    group = start_target_group(config, None, 0)  # CPU ranks, anywhere on the cluster
+    engine = SpecEngine(engine_config.to_settings(), group, None, load_tokenizer(target_dir(engine_config)))
+    llm = AsyncLLM(engine)
+    prompt_ids = llm.tokenizer.encode(PROMPTS[0]).ids
+    try:
+        # the request in flight gets the group's error, naming the rank, and nothing hangs
+        with pytest.raises(EngineDeadError, match="target rank 1 of 2 failed"):
+            asyncio.run(
+                asyncio.wait_for(_first_then_rest(llm, prompt_ids, lambda: ray.kill(group.ranks[1])), 120)
+            )
+        assert not llm.is_running
+        # the surviving rank was killed with it (it would wait in its collective otherwise)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(group.ranks[0].describe.remote(), timeout=60)
+        greedy = SamplingBatch(torch.zeros(1), torch.zeros(1, dtype=torch.int64), torch.ones(1), True)
+        with pytest.raises(TargetGroupError, match="target rank 1 of 2 failed"):
+            group.prefill(PrefillInput([0], [prompt_ids], greedy, None))
+    finally:
+        llm.shutdown()
+        group.shutdown()
