@@ -7,6 +7,7 @@ CPU ranks from the driver, behind an in-process engine, and kills one of its ran
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,6 +29,7 @@ from ddtree_serve.serve.target_group import TargetGroupError, start_target_group
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
 
+DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 PROMPTS = ["def add(a, b):", "The quick brown fox"]
 MAX_TOKENS = 24
 
@@ -48,6 +50,13 @@ def test_one_drafter_gpu_and_a_tp4_target_gives_hand_written_bundles() -> None:
     rank = {"CPU": 4, "GPU": 1, "accelerator_type:H200": 0.001}
     assert options["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 2, "GPU": 1}, rank, rank, rank, rank]
     assert options["placement_group_strategy"] == "STRICT_PACK"
+
+
+def test_multi_gpu_tp_yaml_asks_for_one_drafter_gpu_and_four_one_gpu_ranks() -> None:
+    config = ServeConfig.from_yaml(DEPLOYMENTS / "multi_gpu_tp.yaml")
+    bundles = Coordinator.get_deployment_options(config)["placement_group_bundles"]
+    assert bundles == [{"CPU": 2}, {"CPU": 2, "GPU": 1}, *[{"CPU": 4, "GPU": 1}] * 4]
+    assert ServeConfig.from_yaml(DEPLOYMENTS / "local_tp.yaml").placement.tensor_parallel_size == 2
 
 
 def test_mode_ar_puts_the_ranks_right_after_the_coordinator() -> None:
