@@ -214,7 +214,7 @@ def main() -> None:
         slots = list(range(batch))
         for num_tokens in tree_tokens:
             tree = verify_batch_of(num_tokens, batch, config["vocab_size"], seed=num_tokens)
-            call = lambda: runner.verify(slots, tree, [prefix_len] * batch)  # noqa: B023 (called in this loop)
+            call = lambda: runner.verify(slots, tree)  # noqa: B023 (called in this loop)
             distinct = distinct_experts_per_layer(model, call)
             for _ in range(2):  # warm-up (kernel compiles, allocator)
                 call()

@@ -167,7 +167,6 @@ def measure(runner: TargetRunner, drafter: DFlashDrafter, args: argparse.Namespa
         prompts = [torch.randint(0, vocab, (args.prefix,), generator=gen) for _ in slots]
         _, features = runner.prefill_batch(slots, prompts)
         drafter.draft(slots, torch.zeros(batch_size, dtype=torch.int64), features)
-        starts = [runner.seq_len(s) for s in slots]
         accepted = [features[b][: args.accepted] for b in range(batch_size)]
         bonus = torch.randint(0, vocab, (batch_size,), generator=gen)
 
@@ -189,8 +188,8 @@ def measure(runner: TargetRunner, drafter: DFlashDrafter, args: argparse.Namespa
                 host_step(logp, ids, num_nodes - 1, roots)
             host_ms = 1e3 * (time.perf_counter() - t0) / args.reps
 
-            def verify(slots=slots, batch=device_batch, starts=starts) -> None:
-                runner.verify(slots, batch, starts)
+            def verify(slots=slots, batch=device_batch) -> None:
+                runner.verify(slots, batch)
 
             graphs = runner.graphs
             entry = {"verify_ms": device_ms(verify, device, args.reps), "host_ms": host_ms}

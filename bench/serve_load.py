@@ -8,6 +8,7 @@ and the served / in-process throughput ratio.
 
     python bench/serve_load.py                                   # bundled pair
     python bench/serve_load.py --target DIR --drafter DIR --concurrency 1 4 16 --max-tokens 64
+    python bench/serve_load.py --device cuda --dtype bfloat16      # both actors on one GPU (0.5 each)
 
 Every request uses greedy decoding with `ignore_eos`, so all of them generate exactly
 `--max-tokens` tokens and the three paths do the same work. On a small CPU machine the Ray
@@ -71,12 +72,14 @@ class LevelResult:
 
     def row(self, baseline: float | None) -> str:
         ttfts = sorted(t.ttft_s * 1e3 for t in self.timings)
-        p50, p90 = statistics.median(ttfts), ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]
-        tpot = statistics.median(t.tpot_s * 1e3 for t in self.timings)
+        p50, p99 = statistics.median(ttfts), ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
+        tpots = sorted(t.tpot_s * 1e3 for t in self.timings)
+        tpot, tpot_p99 = statistics.median(tpots), tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))]
         ratio = f"{self.throughput / baseline:.2f}" if baseline else "1.00"
         return (
             f"| {self.path:<10} | {self.concurrency:>3} | {len(self.timings):>4} "
-            f"| {p50:8.1f} | {p90:8.1f} | {tpot:7.2f} | {self.throughput:8.1f} | {ratio:>5} |"
+            f"| {p50:8.1f} | {p99:8.1f} | {tpot:7.2f} | {tpot_p99:7.2f} "
+            f"| {self.throughput:8.1f} | {ratio:>5} |"
         )
 
 
@@ -206,7 +209,8 @@ def start_application(config: ServeConfig, ray_dir: str) -> None:
 
     from ddtree_serve.serve.app import build_app, serve_start_options
 
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_dir)
+    num_gpus = 1 if config.engine.device.startswith("cuda") else 0
+    ray.init(num_cpus=2, num_gpus=num_gpus, include_dashboard=False, _temp_dir=ray_dir)
     serve.start(**serve_start_options(config))
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
 
@@ -228,6 +232,10 @@ def main() -> None:
     parser.add_argument("--drafter", help="Drafter dir (default: bundled).")
     parser.add_argument("--mode", default="ddtree", choices=["ar", "chain", "ddtree"])
     parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--device", default="cpu", help="Model device of both paths (default: cpu).")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="(default: float32)"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=2)
@@ -255,13 +263,22 @@ def main() -> None:
         budget=args.budget,
         max_num_seqs=max(args.concurrency),
         max_seq_len=512,
+        device=args.device,
+        dtype=args.dtype,
     )
+    # On one GPU the drafter and target actors share it (half each); on CPU they reserve none.
+    gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
+    placement = {
+        "workers": args.workers,
+        "drafter": {"num_cpus": 0.25, "num_gpus": gpu_share},
+        "target": {"num_cpus": 0.25, "num_gpus": gpu_share},
+    }
     config = ServeConfig(
         engine=engine_config,
         http={"port": _free_port()},  # type: ignore[arg-type]
         grpc={"port": _free_port()},  # type: ignore[arg-type]
         observability={"metrics": False},  # type: ignore[arg-type]
-        placement={"workers": args.workers},  # type: ignore[arg-type]
+        placement=placement,  # type: ignore[arg-type]
     )
     ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
     start_application(config, ray_dir)
@@ -273,11 +290,12 @@ def main() -> None:
     baseline = {r.concurrency: r.throughput for r in results if r.path == "in-process"}
     print(f"\nmode={args.mode} budget={args.budget} max_tokens={args.max_tokens}", end=" ")
     print(f"workers={args.workers} threads={args.threads}\n")
-    print("| path       |   c | reqs | TTFT p50 | TTFT p90 | TPOT ms |    tok/s | ratio |")
-    print("|------------|-----|------|----------|----------|---------|----------|-------|")
+    print("| path       |   c | reqs | TTFT p50 | TTFT p99 | TPOT ms | TPOT p99 |    tok/s | ratio |")
+    print("|------------|-----|------|----------|----------|---------|---------|----------|-------|")
     for result in results:
         print(result.row(None if result.path == "in-process" else baseline[result.concurrency]))
-    print("\nTTFT in ms; TPOT = median ms per output token after the first chunk;")
+    print(f"\ndevice={args.device} dtype={args.dtype}; TTFT in ms;", end=" ")
+    print("TPOT = ms per output token after the first chunk (median and p99);")
     print("ratio = tok/s / in-process tok/s at the same concurrency.")
 
 

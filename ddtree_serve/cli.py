@@ -88,6 +88,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--budget", type=int, default=defaults.budget, help="DDTree nodes per step (default: %(default)s)"
     )
+    spec.add_argument(
+        "--budget-policy",
+        default=defaults.budget_policy,
+        choices=["fixed", "adaptive"],
+        help="fixed: every tree gets --budget nodes; adaptive: per step, nodes where they are likely "
+        "accepted while predicted tokens/s rise, --budget the ceiling (default: %(default)s)",
+    )
+    spec.add_argument("--cost-curve", help="adaptive: step-cost JSON file (default: measured at start-up)")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument(
         "--max-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)"
@@ -134,6 +142,8 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             dtype=args.dtype,
             mode=args.mode,
             budget=args.budget,
+            budget_policy=args.budget_policy,
+            cost_curve=args.cost_curve,
             max_num_seqs=1,
             enforce_eager=args.enforce_eager,
         )

@@ -46,6 +46,18 @@ class EngineConfig(BaseModel):
     budget: int = Field(
         default=32, ge=1, le=4096, description="Default DDTree node budget per request per step."
     )
+    budget_policy: Literal["fixed", "adaptive"] = Field(
+        default="fixed",
+        description="'fixed': every tree gets `budget` nodes (or the request's draft_budget). "
+        "'adaptive' (mode 'ddtree'): each step spends nodes across the batch where the calibrated "
+        "drafter expects them accepted, while predicted tokens/s rise on the cost curve; a step may "
+        "skip the drafter (plain decode). `budget` and draft_budget stay the ceilings.",
+    )
+    cost_curve: str | None = Field(
+        default=None,
+        description="Adaptive budget: JSON file of step costs over (batch, tree tokens) "
+        "(format in ddtree_serve/engine/budget/cost_curve.py). None = measured at start-up.",
+    )
     max_num_seqs: int = Field(
         default=8, ge=1, le=4096, description="Running requests at most (= KV slots per model)."
     )
@@ -89,6 +101,8 @@ class EngineConfig(BaseModel):
     def _check_model_pair(self) -> "EngineConfig":
         if self.target is None and self.drafter is not None:
             raise ValueError("a custom drafter needs its own target: set `target` too")
+        if self.budget_policy == "adaptive" and self.mode != "ddtree":
+            raise ValueError(f"budget_policy 'adaptive' needs mode 'ddtree', got mode {self.mode!r}")
         if self.target is not None and self.drafter is None and self.mode != "ar":
             raise ValueError(f"mode {self.mode!r} with a custom target needs `drafter` (or use mode 'ar')")
         return self
@@ -122,6 +136,8 @@ class EngineConfig(BaseModel):
             max_seq_len=self.max_seq_len,
             max_queue_len=self.max_queue_len,
             record_timings=self.record_timings,
+            budget_policy=self.budget_policy,
+            cost_curve=self.cost_curve,
         )
 
     def default_sampling_params(self) -> "SamplingParams":

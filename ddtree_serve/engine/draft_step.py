@@ -6,9 +6,11 @@ Ray a `DrafterWorker` holds one and adds only transport. It reads context handle
 `TargetStep` (lists of tensors, one per request).
 """
 
+from collections.abc import Sequence
+
 import torch
 
-from ddtree_serve.engine.interfaces import DraftInput, DraftOutput
+from ddtree_serve.engine.interfaces import ContextSlice, DraftInput, DraftOutput
 from ddtree_serve.engine.timing import Stage, StageTimer
 from ddtree_serve.models import DFlashDrafter
 from ddtree_serve.tree import draft_topk
@@ -27,7 +29,7 @@ class DraftStep:
 
     def draft(self, inputs: DraftInput) -> DraftOutput:
         slots = list(inputs.slots)
-        new_context = [context.handle[context.index] for context in inputs.contexts]  # each [n_b, F]
+        new_context = [_joined(slices) for slices in inputs.contexts]  # each [n_b, F]
         with self.timer.stage(Stage.DRAFT_FORWARD):
             logits = self.drafter.draft(slots, inputs.bonus_tokens, new_context)  # [B, L, V]
         logp, ids = draft_topk(logits, inputs.top_k)  # [B, L, K]
@@ -41,3 +43,9 @@ class DraftStep:
 
     def release(self, slot: int) -> None:
         self.drafter.release(slot)
+
+
+def _joined(slices: Sequence[ContextSlice]) -> torch.Tensor:
+    """One request's new context features in commit order: `[n_b, F]` (no copy for one slice)."""
+    features = [context.handle[context.index] for context in slices]
+    return features[0] if len(features) == 1 else torch.cat(features)

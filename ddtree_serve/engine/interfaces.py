@@ -19,7 +19,7 @@ Per step, for the running requests in slots `slots` (batch order fixed by the en
     draft   = drafter.draft(DraftInput(slots, bonus_tokens, contexts, top_k))  # not in mode "ar"
     trees   = build_ddtree / build_chain on draft.logp, draft.ids  (engine, host side)
     verdict = target.verify_and_commit(VerifyInput(slots, build_verify_batch(trees), ...))
-    # verdict.context -> ContextSlice(verdict.context, i) is request i's next drafter context
+    # verdict.context -> ContextSlice(verdict.context, i) joins request i's next drafter context
 
 All tensors returned across the seam are on the CPU (the engine does host-side bookkeeping on
 them); tensors passed in are CPU tensors that the implementation moves to its device.
@@ -97,8 +97,9 @@ class DraftInput:
     slots: Sequence[int]  # [B]
     bonus_tokens: torch.Tensor  # [B] int64, CPU; the newest token of each request (not cached)
     # contexts[i]: features of the tokens committed to slot i since its last draft (the prompt,
-    # on a request's first draft)
-    contexts: Sequence[ContextSlice]
+    # on a request's first draft), as one slice per producing call in commit order: several
+    # when steps ran without drafting (an adaptive budget's plain decode steps)
+    contexts: Sequence[Sequence[ContextSlice]]
     top_k: int  # K of the returned `DraftOutput` (1 for a chain, min(budget, vocab) for DDTree)
 
 

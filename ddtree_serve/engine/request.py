@@ -83,8 +83,9 @@ class Request:
         self.num_emitted_tokens = 0  # outputs already reported to the caller
         # The newest sampled token: root of the next tree, not yet in the target's cache.
         self.bonus_token: int | None = None
-        # Features of tokens committed since the last draft; consumed by the next draft.
-        self.pending_context: ContextSlice | None = None
+        # Features of tokens committed since the last draft, one slice per target call in
+        # commit order (several after steps that did not draft); consumed by the next draft.
+        self.pending_contexts: list[ContextSlice] = []
         self.finish_reason: str | None = None
         self.stop_text_offset: int | None = None
         self.stop_scan: StopStringScan | None = None  # the stop checker's, if params.stop is set

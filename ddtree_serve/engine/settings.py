@@ -9,6 +9,8 @@ from typing import Literal
 
 SpecMode = Literal["ar", "chain", "ddtree"]
 SPEC_MODES: tuple[SpecMode, ...] = ("ar", "chain", "ddtree")
+BudgetPolicy = Literal["fixed", "adaptive"]
+BUDGET_POLICIES: tuple[BudgetPolicy, ...] = ("fixed", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -22,3 +24,5 @@ class EngineSettings:
     max_seq_len: int = 2048
     max_queue_len: int = 1024
     record_timings: bool = False
+    budget_policy: BudgetPolicy = "fixed"
+    cost_curve: str | None = None  # JSON file for the adaptive policy; None = measure at start-up

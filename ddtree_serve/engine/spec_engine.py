@@ -5,15 +5,27 @@ One step, for every running request at once, in the stages of `STEP_STAGES`:
     trees and commits the accepted KV) -> append (accepted tokens to the requests, check stops)
     -> postprocess (free finished slots, outputs)
 Mode "ar" skips the drafter: each tree is its root alone, verified through the same path, so
-one loop serves plain decoding, chains and DDTrees.
+one loop serves plain decoding, chains and DDTrees. With `budget_policy="adaptive"` (ddtree) an
+`AdaptiveBudget` decides per step whether to draft at all and how many of each request's
+best-first nodes to verify (a prefix of the tree built at its ceiling); a step that does not
+draft verifies root-only trees, and the drafter later takes every context slice it missed.
 """
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from ddtree_serve.engine.budget import (
+    AdaptiveBudget,
+    ModelCostProbe,
+    load_cost_curve,
+    measure_cost_curve,
+    powers_of_two_upto,
+    tree_prefix,
+)
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
     Drafter,
@@ -68,6 +80,19 @@ class SpecEngine:
         self.stop_checker = StopChecker(tokenizer, target.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self.budget_policy = self._adaptive_budget() if settings.budget_policy == "adaptive" else None
+
+    def _adaptive_budget(self) -> AdaptiveBudget:
+        """The adaptive policy over the configured cost file, or a curve measured now (slots empty)."""
+        if self.settings.mode != "ddtree" or self.drafter is None:
+            raise ValueError("budget_policy 'adaptive' needs mode 'ddtree'")
+        if self.settings.cost_curve is not None:
+            return AdaptiveBudget(load_cost_curve(self.settings.cost_curve))
+        probe = ModelCostProbe(self.target, self.drafter, top_k=min(self.settings.budget, self.vocab_size))
+        cost = measure_cost_curve(
+            probe, powers_of_two_upto(self.settings.max_num_seqs), powers_of_two_upto(self.max_tree_tokens)
+        )
+        return AdaptiveBudget(cost)
 
     # ----------------------------------------------------------------------------- requests
 
@@ -145,20 +170,30 @@ class SpecEngine:
         for i, request in enumerate(requests):
             request.num_cached_tokens = output.num_cached_tokens[i]
             request.bonus_token = first_tokens[i]
-            request.pending_context = ContextSlice(output.context, i)
+            request.pending_contexts = [ContextSlice(output.context, i)]
             self.stop_checker.append(request, [first_tokens[i]], self._max_output_tokens(request))
 
     def _draft(self, requests: list[Request]) -> DraftOutput | None:
-        """One drafter call for the batch; K is the largest any request's tree can use."""
+        """One drafter call for the batch; K is the largest any request's tree can use.
+
+        None when there is no drafter, or when the adaptive policy decodes this step plainly.
+        """
         if self.drafter is None:
             return None
+        if self.budget_policy is not None and not self.budget_policy.should_draft(
+            [self._budget(r) for r in requests]
+        ):
+            return None
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
-        contexts = [r.pending_context for r in requests]
-        assert all(c is not None for c in contexts), "every running request has undrafted context"
+        contexts = [tuple(r.pending_contexts) for r in requests]
+        assert all(contexts), "every running request has undrafted context"
         bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
+        started = time.perf_counter()
         draft = self.drafter.draft(DraftInput([_slot(r) for r in requests], bonus_tokens, contexts, top_k))
+        if self.budget_policy is not None:
+            self.budget_policy.record_draft_ms(1000.0 * (time.perf_counter() - started))
         for request in requests:
-            request.pending_context = None
+            request.pending_contexts = []
         _check_positions(requests, draft.num_context_tokens)
         return draft
 
@@ -179,6 +214,9 @@ class SpecEngine:
                 trees.append(
                     build_ddtree(logp[i, :, :k], ids[i, :, :k], self._budget(request), _bonus(request))
                 )
+            if self.budget_policy is not None:
+                allocation = self.budget_policy.choose(trees, [self._budget(r) for r in requests])
+                trees = [tree_prefix(t, n) for t, n in zip(trees, allocation.num_nodes, strict=True)]
         return trees, build_verify_batch(trees)
 
     def _verify(self, requests: list[Request], batch: VerifyBatch) -> VerifyOutput:
@@ -197,22 +235,27 @@ class SpecEngine:
                 draws = _uniforms(request, num_nodes[i] + 1)
                 coins[i, : num_nodes[i]] = draws[:-1]
                 coin_final[i] = draws[-1]
-        return self.target.verify_and_commit(
-            VerifyInput(
-                [_slot(r) for r in requests],
-                batch,
-                sampling,
-                coins,
-                coin_final,
-                return_context=self.drafter is not None,
-            )
+        inputs = VerifyInput(
+            [_slot(r) for r in requests],
+            batch,
+            sampling,
+            coins,
+            coin_final,
+            return_context=self.drafter is not None,
         )
+        started = time.perf_counter()
+        verdict = self.target.verify_and_commit(inputs)
+        if self.budget_policy is not None:
+            self.budget_policy.record_verify_ms(1000.0 * (time.perf_counter() - started))
+        return verdict
 
     def _append(self, requests: list[Request], trees: list[DraftTree], verdict: VerifyOutput) -> None:
         """Append each request's accepted tokens and bonus; stops drop what follows them."""
         accept_index = verdict.accept_index.tolist()
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
+        if self.budget_policy is not None:
+            self.budget_policy.observe(trees, [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)])
         for i, request in enumerate(requests):
             request.num_cached_tokens = verdict.num_cached_tokens[i]
             accepted_nodes = accept_index[i][1 : 1 + accept_len[i]]
@@ -221,7 +264,7 @@ class SpecEngine:
             request.num_step_tokens += len(new_tokens)
             request.bonus_token = bonus_tokens[i]
             if verdict.context is not None:
-                request.pending_context = ContextSlice(verdict.context, i)
+                request.pending_contexts.append(ContextSlice(verdict.context, i))
             self.stop_checker.append(request, new_tokens, self._max_output_tokens(request))
 
     def _postprocess(self, scheduled: ScheduledStep) -> list[RequestOutput]:

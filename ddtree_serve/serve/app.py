@@ -2,7 +2,8 @@
 
 Also the `serve run` entry point: `import_path: ddtree_serve.serve.app:build_app` with the
 config as the application's `args` (Serve validates them into `ServeConfig` through the typed
-argument). The Coordinator declares its own resources, so this stays generic.
+argument). The Coordinator declares its own resources, so this stays generic. The target's chat
+format (template, end-of-turn stops) is read here, once, and handed to every ingress replica.
 """
 
 from typing import Any
@@ -11,6 +12,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import HTTPOptions, gRPCOptions
 
+from ddtree_serve.serve.chat import ChatFormat
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.coordinator import Coordinator
 from ddtree_serve.serve.ingress import Ingress
@@ -45,7 +47,8 @@ def build_app_with_models(
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
     )
-    return ingress.bind(coordinator.bind(config, target_factory, drafter_factory), config)
+    chat = ChatFormat.from_config(config)
+    return ingress.bind(coordinator.bind(config, target_factory, drafter_factory), config, chat)
 
 
 def http_options(config: ServeConfig) -> HTTPOptions:

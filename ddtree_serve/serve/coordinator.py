@@ -19,6 +19,7 @@ from ddtree_serve.engine.builder import target_dir
 from ddtree_serve.engine.request import RequestStats
 from ddtree_serve.engine.scheduler import QueueFullError
 from ddtree_serve.models import load_tokenizer
+from ddtree_serve.serve.chat import target_has_vision_tower
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError, invalid
 from ddtree_serve.serve.group import placement_bundles, start_workers
@@ -176,6 +177,7 @@ class Coordinator:
             "tree_budget": self._config.engine.budget,
             "max_model_len": engine.max_seq_len,
             "vocab_size": engine.vocab_size,
+            "has_vision_tower": target_has_vision_tower(target_dir(self._config.engine)),
         }
 
     def check_health(self) -> None:

@@ -11,10 +11,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2
 from pydantic import ValidationError
 from ray.serve.grpc_util import RayServegRPCContext
 
+from ddtree_serve.serve.chat import TEXT_PART, ChatTurn, ContentPart
 from ddtree_serve.serve.errors import ErrorKind, RequestError, invalid
 from ddtree_serve.serve.grpc_decode import decode
 from ddtree_serve.serve.ingress_core import (
@@ -24,13 +26,13 @@ from ddtree_serve.serve.ingress_core import (
     as_error,
     logger,
 )
-from ddtree_serve.serve.openai_api import SamplingFields, validated_messages, validation_error
-from ddtree_serve.serve.protocol import CHAT_END, GenerationChunk, GenerationRequest, Usage, render_chat
+from ddtree_serve.serve.openai_api import SamplingFields, validation_error
+from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest, Usage
 from ddtree_serve.serve.protos import SERVICE_NAME, pb2
 from ddtree_serve.serve.tracing import Tracing, carrier_from_pairs
 
 _WATCH_INTERVAL_S = 5.0
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "draft_budget")
 
 
 def _usage_pb(usage: Usage | None) -> Any:
@@ -59,6 +61,17 @@ def _decoded(message_class: Any, raw: bytes | Any, context: RayServegRPCContext)
         raise
 
 
+def _chat_turns(messages: Any) -> list[ChatTurn]:
+    """`ChatMessage`s as turns: `content`, or `content_parts` (OpenAI's list of parts), not both."""
+    turns = []
+    for index, message in enumerate(messages):
+        if message.content and len(message.content_parts) > 0:
+            raise invalid("set content or content_parts, not both", f"messages.{index}.content_parts")
+        parts = [ContentPart(part.type, part.text) for part in message.content_parts]
+        turns.append(ChatTurn(message.role, tuple(parts) or (ContentPart(TEXT_PART, message.content),)))
+    return turns
+
+
 class GrpcAdapter(IngressCore):
     """gRPC methods of the ingress deployment; requests arrive as bytes (see `protos`)."""
 
@@ -72,7 +85,7 @@ class GrpcAdapter(IngressCore):
         else:
             request_id = context.request_id() or f"grpc-{uuid.uuid4().hex}"
         self._check_model(message.model)
-        prompt, extra_stop = self._grpc_prompt(message)
+        prompt = self._grpc_prompt(message)
         sampling_message = message.sampling
         fields: dict[str, Any] = {
             name: getattr(sampling_message, name)
@@ -85,13 +98,15 @@ class GrpcAdapter(IngressCore):
             )
         except ValidationError as error:
             raise validation_error(error, prefix="sampling.") from None
-        sampling = sampling_fields.sampling_params(self._defaults, extra_stop)
+        sampling = sampling_fields.sampling_params(self._defaults)
+        if len(message.messages) > 0:
+            sampling = self._chat.with_end_of_turn(sampling)
         max_tokens_param = "sampling.max_tokens" if "max_tokens" in fields else None
         context.set_trailing_metadata([(REQUEST_ID_HEADER, request_id)])
         return GenerationRequest(request_id, prompt, sampling, max_tokens_param=max_tokens_param)
 
-    def _grpc_prompt(self, message: Any) -> tuple[str | tuple[int, ...], tuple[str, ...]]:
-        """The one prompt source that is set, checked; and the stop strings it implies."""
+    def _grpc_prompt(self, message: Any) -> str | tuple[int, ...]:
+        """The one prompt source that is set, checked (a chat rendered by the target's template)."""
         given = [
             name
             for name, present in (
@@ -103,14 +118,17 @@ class GrpcAdapter(IngressCore):
         ]
         if len(given) > 1:
             raise invalid(f"set exactly one of prompt, messages, prompt_token_ids; got {given}", given[1])
+        has_kwargs = message.HasField("chat_template_kwargs")
+        if has_kwargs and given != ["messages"]:
+            raise invalid("chat_template_kwargs applies to messages only", "chat_template_kwargs")
         if given == ["messages"]:
-            messages = validated_messages([(m.role, m.content) for m in message.messages])
-            return self._check_prompt(render_chat(messages)), (CHAT_END,)  # HTTP chat's limit too
+            kwargs = json_format.MessageToDict(message.chat_template_kwargs) if has_kwargs else None
+            return self._chat_prompt(_chat_turns(message.messages), kwargs)
         if given == ["prompt_token_ids"]:
             if any(token_id < 0 for token_id in message.prompt_token_ids):
                 raise invalid("prompt_token_ids must be >= 0", "prompt_token_ids")
-            return self._check_prompt(tuple(message.prompt_token_ids)), ()
-        return self._check_prompt(message.prompt), ()
+            return self._check_prompt(tuple(message.prompt_token_ids))
+        return self._check_prompt(message.prompt)
 
     async def _grpc_chunks(
         self, message: Any, context: RayServegRPCContext, rpc: str

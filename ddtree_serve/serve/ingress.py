@@ -114,7 +114,7 @@ class Ingress(GrpcAdapter):
             ChatCompletionRequest, raw.headers.get("content-type"), await raw.body(), "messages"
         )
         self._check_model(body.model)
-        prompt = self._check_prompt(body.prompt_input())
+        prompt = self._chat_prompt(body.chat_turns(), body.chat_template_kwargs)
         return await self._http_generate(body, prompt, raw, chat=True)
 
     async def _http_generate(
@@ -133,6 +133,8 @@ class Ingress(GrpcAdapter):
         )
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         sampling = body.sampling_params(self._defaults)
+        if chat:
+            sampling = self._chat.with_end_of_turn(sampling)
         _, max_tokens_param = body.requested_max_tokens()
         route = "/v1/chat/completions" if chat else "/v1/completions"
         with self._tracing.span(

@@ -1,4 +1,5 @@
-"""What the HTTP and gRPC adapters share: checks, opening a Coordinator stream, error mapping.
+"""What the HTTP and gRPC adapters share: checks, chat rendering, opening a Coordinator stream,
+error mapping.
 
 Both protocols turn their request into a `GenerationRequest`, open one Coordinator stream and
 render its `GenerationChunk`s; errors map through `errors.ErrorKind` to HTTP status + OpenAI
@@ -8,12 +9,13 @@ request (bad prompt, full queue) gets its status before any byte of the response
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
 
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from ddtree_serve.serve.chat import ChatFormat, ChatTurn
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError, as_request_error, invalid
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest
@@ -42,9 +44,11 @@ def as_error(error: BaseException) -> RequestError:
 class IngressCore:
     """State and helpers of the ingress deployment, protocol-independent."""
 
-    def __init__(self, coordinator: DeploymentHandle, config: ServeConfig) -> None:
+    def __init__(self, coordinator: DeploymentHandle, config: ServeConfig, chat: ChatFormat) -> None:
+        """`chat` is the served target's chat format, read once when the application is built."""
         self._coordinator = coordinator
         self._config = config
+        self._chat = chat
         self._defaults = config.engine.default_sampling_params()
         self._tracing = Tracing(config.observability.tracing, component="ingress")
 
@@ -73,6 +77,10 @@ class IngressCore:
                 "prompt",
             )
         return prompt
+
+    def _chat_prompt(self, turns: Sequence[ChatTurn], chat_template_kwargs: dict[str, Any] | None) -> str:
+        """The conversation rendered by the target's template, within the prompt limits."""
+        return self._check_prompt(self._chat.render(turns, chat_template_kwargs))
 
     async def _open(self, request: GenerationRequest) -> tuple[GenerationChunk, DeploymentResponseGenerator]:
         """Starts the Coordinator stream and waits for its first chunk (or its refusal)."""

@@ -28,8 +28,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.serve.chat import TEXT_PART, ChatTurn, ContentPart
 from ddtree_serve.serve.errors import RequestError, invalid
-from ddtree_serve.serve.protocol import CHAT_END, CHAT_ROLES, render_chat
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range; also keeps 1/temperature a normal float32
 MAX_SEED = 2**64  # exclusive: a torch generator's seed range
@@ -107,7 +107,9 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Sampling fields both protocols accept (OpenAI names; `top_k`, `ignore_eos` are extensions)."""
+    """Sampling fields both protocols accept (OpenAI names; `top_k`, `ignore_eos`, `draft_budget`
+    are extensions: `draft_budget` caps the request's draft tree nodes per step, the server's
+    budget being the ceiling; it changes speed only)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -118,12 +120,13 @@ class SamplingFields(BaseModel):
     stop: Stop = ()
     seed: Annotated[StrictInt, Field(ge=0, lt=MAX_SEED)] | None = None
     ignore_eos: StrictBool = False
+    draft_budget: Annotated[StrictInt, Field(ge=1)] | None = None
 
     def requested_max_tokens(self) -> tuple[int | None, str | None]:
         """The client's max_tokens and the field that set it; (None, None) when unset."""
         return (self.max_tokens, "max_tokens") if self.max_tokens is not None else (None, None)
 
-    def sampling_params(self, defaults: SamplingParams, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """`SamplingParams` from the set fields over the server defaults; errors -> 400."""
         max_tokens, _ = self.requested_max_tokens()
         try:
@@ -132,9 +135,10 @@ class SamplingFields(BaseModel):
                 temperature=defaults.temperature if self.temperature is None else self.temperature,
                 top_p=defaults.top_p if self.top_p is None else self.top_p,
                 top_k=defaults.top_k if self.top_k is None else self.top_k,
-                stop=self.stop + extra_stop,
+                stop=self.stop,
                 seed=self.seed,
                 ignore_eos=self.ignore_eos,
+                draft_budget=self.draft_budget,
             )
         except ValueError as error:
             raise invalid(str(error)) from error
@@ -154,7 +158,7 @@ class _OpenAIFields(SamplingFields):
     logit_bias: dict[str, StrictFloat] | None = None
     best_of: StrictInt | None = None
 
-    def sampling_params(self, defaults: SamplingParams, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         if self.n != 1:
             raise invalid(f"only n=1 is supported, got {self.n}", "n")
         if self.logprobs not in (None, False, 0):
@@ -166,7 +170,7 @@ class _OpenAIFields(SamplingFields):
             raise invalid("logit_bias is not supported", "logit_bias")
         if self.best_of not in (None, 1):
             raise invalid(f"only best_of=1 is supported, got {self.best_of}", "best_of")
-        return super().sampling_params(defaults, extra_stop)
+        return super().sampling_params(defaults)
 
     @property
     def include_usage(self) -> bool:
@@ -187,38 +191,52 @@ class CompletionRequest(_OpenAIFields):
         return self.prompt
 
 
+def _content(value: Any) -> tuple[ContentPart, ...]:
+    """A message's `content`: a string, or OpenAI's list of parts (`{"type": "text", "text": ...}`,
+    `{"type": "image_url", ...}`); which part types are served is the chat format's call."""
+    if isinstance(value, str):
+        return (ContentPart(TEXT_PART, _valid_unicode(value)),)
+    if not isinstance(value, list) or not value:
+        raise PydanticCustomError(
+            "content_type", "content must be a string or a non-empty list of content parts"
+        )
+    parts = []
+    for part in value:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise PydanticCustomError(
+                "content_part", "each content part must be an object with a string `type`"
+            )
+        if part["type"] != TEXT_PART:
+            parts.append(ContentPart(part["type"]))
+        elif isinstance(text := part.get("text"), str):
+            parts.append(ContentPart(TEXT_PART, _valid_unicode(text)))
+        else:
+            raise PydanticCustomError("content_text", "a text content part needs a string `text`")
+    return tuple(parts)
+
+
+Content = Annotated[tuple[ContentPart, ...], PlainValidator(_content)]
+
+
 class ChatMessage(BaseModel):
     role: Text
-    content: Text
+    content: Content
 
 
 class ChatCompletionRequest(_OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    # vLLM's extension: extra variables for the chat template (e.g. Kimi's `thinking`).
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
 
-    def prompt_input(self) -> str:
-        return render_chat(validated_messages([(m.role, m.content) for m in self.messages]))
+    def chat_turns(self) -> list[ChatTurn]:
+        return [ChatTurn(message.role, message.content) for message in self.messages]
 
     def requested_max_tokens(self) -> tuple[int | None, str | None]:
         # OpenAI's newer name wins over the deprecated `max_tokens`, as in vLLM.
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return super().requested_max_tokens()
-
-    def sampling_params(self, defaults: SamplingParams, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
-        # The assistant turn ends at ChatML's end marker, whether or not it is one token.
-        return super().sampling_params(defaults, (*extra_stop, CHAT_END))
-
-
-def validated_messages(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    if not messages:
-        raise invalid("messages must not be empty", "messages")
-    for index, (role, _) in enumerate(messages):
-        if role not in CHAT_ROLES:
-            raise invalid(
-                f"message role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"messages.{index}.role"
-            )
-    return messages
 
 
 def parse_body(body_class: type[Body], content_type: str | None, body: bytes, required: str) -> Body:

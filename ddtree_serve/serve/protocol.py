@@ -9,9 +9,6 @@ from dataclasses import dataclass, field
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.errors import invalid
 
-CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
-CHAT_END = "<|im_end|>"
-
 
 @dataclass(frozen=True)
 class Usage:
@@ -38,7 +35,7 @@ class Usage:
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
-    prompt: str | tuple[int, ...]  # text (chat already rendered to ChatML) or token ids
+    prompt: str | tuple[int, ...]  # text (a chat rendered by its template) or token ids
     sampling: SamplingParams
     trace_carrier: dict[str, str] = field(default_factory=dict)  # W3C headers of the caller's span
     # The request field that chose `sampling.max_tokens` ("max_tokens", "max_completion_tokens",
@@ -67,9 +64,3 @@ class GenerationChunk:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     usage: Usage | None = None
-
-
-def render_chat(messages: list[tuple[str, str]]) -> str:
-    """ChatML (the Qwen family's chat format), ending with the assistant's open turn."""
-    turns = "".join(f"<|im_start|>{role}\n{content}{CHAT_END}\n" for role, content in messages)
-    return turns + "<|im_start|>assistant\n"

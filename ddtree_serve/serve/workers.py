@@ -90,7 +90,9 @@ class DrafterWorker:
         the coordinator passed (one per distinct producing call)."""
         features = [from_wire(handle) for handle in handles]
         draft_input: DraftInput = from_wire(inputs)
-        contexts = [ContextSlice(features[c.handle], c.index) for c in draft_input.contexts]
+        contexts = [
+            [ContextSlice(features[c.handle], c.index) for c in slices] for slices in draft_input.contexts
+        ]
         return to_wire(self._drafter.draft(dataclasses.replace(draft_input, contexts=contexts)))
 
     def release(self, slot: int) -> None:
@@ -150,9 +152,10 @@ class RayDrafter:
         # Distinct producing calls in order (ObjectRefs hash and compare by object id); each
         # slice travels as (position of its call's ref among the top-level arguments, index).
         position: dict[Any, int] = {}
-        for context in inputs.contexts:
-            position.setdefault(context.handle, len(position))
-        pointers = [ContextSlice(position[c.handle], c.index) for c in inputs.contexts]
+        for slices in inputs.contexts:
+            for context in slices:
+                position.setdefault(context.handle, len(position))
+        pointers = [[ContextSlice(position[c.handle], c.index) for c in slices] for slices in inputs.contexts]
         wired = to_wire(dataclasses.replace(inputs, contexts=pointers))
         handles = list(position)
         return from_wire(ray.get(self._actor.draft.remote(wired, *handles)))

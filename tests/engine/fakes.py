@@ -91,10 +91,9 @@ class OracleDrafter:
         num_levels, k = self._block_size - 1, min(inputs.top_k, self.vocab_size)
         logp = torch.log(torch.tensor([0.5 ** (r + 1) for r in range(k)])).expand(len(slots), num_levels, k)
         ids = torch.empty(len(slots), num_levels, k, dtype=torch.int64)
-        for b, (slot, context) in enumerate(zip(slots, contexts, strict=True)):
-            self.context_lens[slot] = self.context_lens.get(slot, 0) + int(
-                context.handle[context.index].shape[0]
-            )
+        for b, (slot, slices) in enumerate(zip(slots, contexts, strict=True)):
+            new_tokens = sum(int(c.handle[c.index].shape[0]) for c in slices)
+            self.context_lens[slot] = self.context_lens.get(slot, 0) + new_tokens
             reference = self.references.get(self.target.slot_prompts[slot], [])
             cached = self.context_lens[slot]  # the bonus token is reference[cached]
             for depth in range(num_levels):

@@ -44,8 +44,7 @@ class CheckingDrafter:
 
 def pending_rows(request) -> int:
     """Rows of context the drafter has not taken yet (in process: a list of feature tensors)."""
-    pending = request.pending_context
-    return 0 if pending is None else int(pending.handle[pending.index].shape[0])
+    return sum(int(c.handle[c.index].shape[0]) for c in request.pending_contexts)
 
 
 def check_after_step(engine: SpecEngine, drafter: CheckingDrafter) -> int:

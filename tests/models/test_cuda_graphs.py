@@ -185,7 +185,7 @@ def test_cuda_verify_replay_equals_padded_eager_to_the_bit(tiny_target_dir: Path
             sizes = [max(1, num_nodes - b % 2) for b in range(batch_size)]
             batch = tree_inputs(random_trees(sizes, vocab, gen), padded_num_nodes=num_nodes).to("cuda")
             replayed = [t.clone() for t in runner.verify(slots, batch)]
-            eager = reference.verify(slots, batch)
+            eager = reference.verify(slots, batch, runner.cache.slot_lengths(slots))
             assert eager is not None
             for got, want in zip(replayed, eager, strict=True):
                 assert torch.equal(got, want), (prefix, num_nodes)

@@ -83,7 +83,7 @@ def test_tree_verify_matches_transformers_on_dequantized_weights(kimi_dirs: tupl
     trees = [(torch.randint(0, 97, (n,), generator=gen).tolist(), random_parents(n, gen)) for n in (10, 6)]
     for slot, prompt in zip(slots, prompts, strict=True):
         runner.prefill(slot, prompt)
-    logits, _ = runner.verify(slots, tree_inputs(trees, num_slots=10), [runner.seq_len(s) for s in slots])
+    logits, _ = runner.verify(slots, tree_inputs(trees, padded_num_nodes=10))
     for b, (token_ids, parents) in enumerate(trees):
         for node in range(len(token_ids)):
             path_ids = prompts[b] + [token_ids[i] for i in path_to(parents, node)]

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
-from ddtree_serve.serve.protocol import CHAT_END, render_chat
+from ddtree_serve.models.chat_template import CHATML_TEMPLATE, ChatTemplate
 from ddtree_serve.serve.protos import SERVICE_NAME, DDTreeServeStub, pb2
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
@@ -138,8 +138,9 @@ def test_chat_streaming_and_not_streaming_equal_the_engine_on_the_chatml_prompt(
     cluster: ServeCluster, reference: LLM
 ) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
-    prompt = render_chat([(m["role"], m["content"]) for m in messages])
-    want = reference.generate(prompt, greedy(stop=(CHAT_END,)))[0]
+    chatml = ChatTemplate.from_dir(cluster.config.engine.target)
+    assert chatml.source == CHATML_TEMPLATE  # the tiny target ships no template of its own
+    want = reference.generate(chatml.render(messages), greedy(stop=(chatml.end_of_turn_text(),)))[0]
     body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS}
     whole = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=60).json()
     assert whole["object"] == "chat.completion"
@@ -528,7 +529,7 @@ def test_actor_adapters_forward_context_as_an_object_ref_and_match_in_process_mo
     outputs = []
     for target, drafter in ((remote_target, remote_drafter), (local_target, local_drafter)):
         prefill = target.prefill(PrefillInput([0, 1], prompts, greedy_batch, None))
-        contexts = [ContextSlice(prefill.context, i) for i in range(2)]
+        contexts = [[ContextSlice(prefill.context, i)] for i in range(2)]
         outputs.append((prefill, drafter.draft(DraftInput([0, 1], prefill.first_tokens, contexts, top_k=4))))
     (remote_prefill, remote_draft), (local_prefill, local_draft) = outputs
     assert isinstance(remote_prefill.context, ray.ObjectRef)  # the coordinator holds a reference

@@ -6,6 +6,7 @@ from typing import Any
 import pytest
 
 from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.serve.chat import ChatFormat
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError
 from ddtree_serve.serve.grpc_adapter import GrpcAdapter
@@ -68,7 +69,7 @@ class _Context:
 
 def test_grpc_chat_messages_obey_the_prompt_character_limit() -> None:
     config = ServeConfig.model_validate({"limits": {"max_prompt_chars": 100}})
-    adapter = GrpcAdapter(coordinator=None, config=config)  # type: ignore[arg-type]
+    adapter = GrpcAdapter(None, config, ChatFormat.from_config(config))  # type: ignore[arg-type]
     message = pb2.GenerateRequest(messages=[pb2.ChatMessage(role="user", content="a " * 100)])
     with pytest.raises(RequestError) as raised:
         adapter._grpc_request(message, _Context())
@@ -153,7 +154,8 @@ def not_utf8(message: Any) -> bytes:
 
 
 def grpc_adapter() -> GrpcAdapter:
-    return GrpcAdapter(coordinator=None, config=ServeConfig())  # type: ignore[arg-type]
+    config = ServeConfig()
+    return GrpcAdapter(None, config, ChatFormat.from_config(config))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -191,3 +193,27 @@ def test_grpc_token_id_prompt_and_explicit_max_tokens_reach_the_generation_reque
     request = grpc_adapter()._grpc_request(raw.SerializeToString(), _Context())
     assert request.prompt == (3, 4) and request.sampling.max_tokens == 7
     assert request.max_tokens_param == "sampling.max_tokens"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_draft_budget_extension_reaches_the_sampling_params(endpoint: str) -> None:
+    def body(**fields: Any) -> CompletionRequest | ChatCompletionRequest:
+        if endpoint == "completions":
+            return CompletionRequest(prompt="hi", **fields)
+        return ChatCompletionRequest(**CHAT, **fields)
+
+    assert body(draft_budget=8).sampling_params(DEFAULTS).draft_budget == 8
+    assert body().sampling_params(DEFAULTS).draft_budget is None
+
+
+def test_grpc_draft_budget_reaches_the_sampling_params_and_is_checked() -> None:
+    with_budget = pb2.GenerateRequest(prompt="hi", sampling=pb2.SamplingParams(draft_budget=4))
+    assert (
+        grpc_adapter()._grpc_request(with_budget.SerializeToString(), _Context()).sampling.draft_budget == 4
+    )
+    unset = pb2.GenerateRequest(prompt="hi")
+    assert grpc_adapter()._grpc_request(unset.SerializeToString(), _Context()).sampling.draft_budget is None
+    zero = pb2.GenerateRequest(prompt="hi", sampling=pb2.SamplingParams(draft_budget=0))
+    with pytest.raises(RequestError) as raised:
+        grpc_adapter()._grpc_request(zero.SerializeToString(), _Context())
+    assert raised.value.param == "sampling.draft_budget"

@@ -1,0 +1,398 @@
+"""Adaptive vs fixed tree budgets across concurrency, and a simulated sweep over a cost file.
+
+Live mode (default): the in-process engine over one model pair (the bundled one by default)
+runs the same greedy prompts at each concurrency with plain decoding (ar), DDTree at fixed
+budgets, and the adaptive budget (`budget_policy="adaptive"`), one run each, and reports
+generated tokens per second. The adaptive engine's start-up cost calibration runs once, before
+the sweep; its curve is saved and loaded by every adaptive run (its live refresh then goes on).
+The fixed run at the largest budget records per-step acceptance traces (each request's full
+best-first tree and the nodes verification accepted), saved for the simulation.
+
+    python bench/budget_sweep.py --max-tokens 32                    # CPU, bundled pair
+    python bench/budget_sweep.py --device cuda --dtype bfloat16 --max-tokens 256
+
+Simulation mode (`--simulate-cost FILE`): no model runs. Recorded traces (`--traces`, written
+by a live sweep) are replayed at each concurrency against the cost curve in FILE: a fixed
+budget b verifies each trace's first b nodes (greedy acceptance of a prefix is the accepted
+path's part inside it), the adaptive policy (the engine's own `AdaptiveBudget`) chooses per
+step, and time is the curve's prediction. It is a simulation: the acceptance is the bundled
+drafter's, the cost is the file's (e.g. a Kimi K2.6 slice cost, bench/costs/).
+
+    python bench/budget_sweep.py --simulate-cost bench/costs/kimi_k26_moe_layer_h200.json
+
+Results: bench/out/budget_sweep[_sim].{md,json,png}.
+"""
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.budget import AdaptiveBudget, CostCurve, load_cost_curve, tree_prefix
+from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
+from ddtree_serve.engine.interfaces import DraftInput, DraftOutput, VerifyInput, VerifyOutput
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.models import load_tokenizer
+from ddtree_serve.tree import DraftTree, build_ddtree
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+# Openings in the style of the standard library the bundled pair was trained on.
+PROMPTS = [
+    "def _check_arg_types(funcname, *args):\n    hasstr = hasbytes = False\n    for s in args:\n",
+    'class Error(Exception):\n    """Base class for exceptions in this module."""\n    pass\n\n\nclass ',
+    "import os\nimport sys\nimport re\n\n__all__ = [",
+    '    def __init__(self, stream, errors="strict"):\n        self.stream = stream\n',
+    'if __name__ == "__main__":\n    import ',
+    '    def close(self):\n        """Close the file."""\n        if self._file is not None:\n',
+    "def _parse_header(line):\n    parts = line.split(';')\n    key = parts[0].strip()\n",
+    "try:\n    import _thread\nexcept ImportError:\n    ",
+]
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """One request's step at the ceiling budget: its full best-first tree and what was accepted."""
+
+    tree: DraftTree
+    accepted: tuple[int, ...]  # accepted draft node indices (root excluded), path order
+
+    def as_json(self) -> dict:
+        tree = self.tree
+        return {
+            "token_ids": tree.token_ids.tolist(),
+            "depths": tree.depths.tolist(),
+            "parents": tree.parents.tolist(),
+            "logws": tree.logws.tolist(),
+            "accepted": list(self.accepted),
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> "TraceStep":
+        tree = DraftTree(
+            token_ids=np.array(data["token_ids"], dtype=np.int64),
+            depths=np.array(data["depths"], dtype=np.int64),
+            parents=np.array(data["parents"], dtype=np.int64),
+            logws=np.array(data["logws"], dtype=np.float64),
+        )
+        return TraceStep(tree, tuple(data["accepted"]))
+
+
+class TraceRecorder:
+    """Wraps the drafter and target of a fixed-budget engine; pairs each draft with its verdict."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.steps: list[TraceStep] = []
+        self._draft: tuple[DraftInput, DraftOutput] | None = None
+
+    def drafted(self, inputs: DraftInput, output: DraftOutput) -> None:
+        self._draft = (inputs, output)
+
+    def verified(self, output: VerifyOutput) -> None:
+        if self._draft is None:
+            return
+        inputs, draft = self._draft
+        self._draft = None
+        accept_index, accept_len = output.accept_index.tolist(), output.accept_len.tolist()
+        for i, bonus in enumerate(inputs.bonus_tokens.tolist()):
+            k = min(self.budget, draft.logp.shape[-1])
+            tree = build_ddtree(draft.logp[i, :, :k], draft.ids[i, :, :k], self.budget, bonus)
+            self.steps.append(TraceStep(tree, tuple(accept_index[i][1 : 1 + accept_len[i]])))
+
+
+class RecordingDrafter:
+    def __init__(self, inner, recorder: TraceRecorder) -> None:
+        self.inner, self.recorder = inner, recorder
+
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    def draft(self, inputs: DraftInput) -> DraftOutput:
+        output = self.inner.draft(inputs)
+        self.recorder.drafted(inputs, output)
+        return output
+
+    def release(self, slot: int) -> None:
+        self.inner.release(slot)
+
+
+class RecordingTarget:
+    def __init__(self, inner, recorder: TraceRecorder) -> None:
+        self.inner, self.recorder = inner, recorder
+        self.vocab_size, self.eos_token_ids = inner.vocab_size, inner.eos_token_ids
+        self.max_seq_len = inner.max_seq_len
+
+    def prefill(self, inputs):
+        return self.inner.prefill(inputs)
+
+    def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        output = self.inner.verify_and_commit(inputs)
+        self.recorder.verified(output)
+        return output
+
+    def release(self, slot: int) -> None:
+        self.inner.release(slot)
+
+
+# ----------------------------------------------------------------------------- live sweep
+
+
+def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep]]:
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    base = EngineConfig(
+        target=args.target,
+        drafter=args.drafter,
+        device=args.device,
+        dtype=args.dtype,
+        budget=max(budgets),
+        max_num_seqs=max(concurrencies),
+        max_seq_len=args.max_seq_len,
+        max_num_batched_tokens=1 << 20,
+    )
+    target, drafter = build_target_step(base), build_draft_step(base)
+    tokenizer = load_tokenizer(target_dir(base))
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    cost_path = args.out_dir / f"budget_cost_{args.device.split(':')[0]}.json"
+    started = time.perf_counter()
+    calibrating = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    cost_path.write_text(json.dumps(calibrating.budget_policy.cost.to_json()) + "\n")
+    print(f"start-up cost calibration: {time.perf_counter() - started:.1f} s -> {cost_path}", flush=True)
+
+    recorder = TraceRecorder(max(budgets))
+    rows = []
+    for concurrency in concurrencies:
+        configs: list[tuple[str, SpecEngine]] = [("ar", _engine(base, "ar", target, None, tokenizer))]
+        for budget in budgets:
+            engine_target, engine_drafter = target, drafter
+            if budget == max(budgets):
+                engine_target = RecordingTarget(target, recorder)
+                engine_drafter = RecordingDrafter(drafter, recorder)
+            config = base.model_copy(update={"budget": budget})
+            configs.append(
+                (f"ddtree-{budget}", _engine(config, "fixed", engine_target, engine_drafter, tokenizer))
+            )
+        adaptive = SpecEngine(_settings(base, "adaptive", str(cost_path)), target, drafter, tokenizer)
+        configs.append(("adaptive", adaptive))
+        row: dict = {"concurrency": concurrency}
+        for name, engine in configs:
+            row[name] = _tokens_per_s(engine, prompts, concurrency, args.max_tokens)
+        rows.append(row)
+        print(_row_line(row), flush=True)
+    return rows, recorder.steps
+
+
+def _settings(config: EngineConfig, policy: str, cost_path: str | None):
+    update = {"budget_policy": policy, "cost_curve": cost_path}
+    return config.model_copy(update=update).to_settings()
+
+
+def _engine(config: EngineConfig, policy: str, target, drafter, tokenizer) -> SpecEngine:
+    if drafter is None:
+        return SpecEngine(config.model_copy(update={"mode": "ar"}).to_settings(), target, None, tokenizer)
+    return SpecEngine(_settings(config, policy, None), target, drafter, tokenizer)
+
+
+def _tokens_per_s(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(str(i), prompts[i % len(prompts)], params)
+    started = time.perf_counter()
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        num_tokens += sum(out.num_new_tokens for out in engine.step())
+    return num_tokens / (time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+def run_simulation(args: argparse.Namespace, traces: list[TraceStep]) -> list[dict]:
+    """Replay traces against the cost file; every time is the curve's prediction (a simulation)."""
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for concurrency in concurrencies:
+        steps = [
+            [traces[j] for j in rng.integers(0, len(traces), size=concurrency)] for _ in range(args.sim_steps)
+        ]
+        cost = _simulation_cost(args)
+        row: dict = {"concurrency": concurrency}
+        ar_ms = float(cost.verify_ms(concurrency, concurrency))
+        row["ar"] = 1000.0 * concurrency / ar_ms
+        for budget in budgets:
+            tokens, ms = 0.0, 0.0
+            for batch in steps:
+                tokens += sum(_accepted_within(step, budget) + 1 for step in batch)
+                ms += cost.draft_ms(concurrency) + float(
+                    cost.verify_ms(concurrency, concurrency * (budget + 1))
+                )
+            row[f"ddtree-{budget}"] = 1000.0 * tokens / ms
+        row["adaptive"] = _simulate_adaptive(steps, _simulation_cost(args), max(budgets))
+        rows.append(row)
+        print(_row_line(row), flush=True)
+    return rows
+
+
+def _simulation_cost(args: argparse.Namespace) -> CostCurve:
+    cost = load_cost_curve(args.simulate_cost)
+    if args.draft_ms is not None:
+        cost.draft_grid_ms[:] = args.draft_ms
+    return cost
+
+
+def _simulate_adaptive(steps: list[list[TraceStep]], cost: CostCurve, ceiling: int) -> float:
+    """The engine's own `AdaptiveBudget` per simulated step; times are the curve's predictions."""
+    policy = AdaptiveBudget(cost)
+    tokens, ms = 0.0, 0.0
+    for batch in steps:
+        caps = [ceiling] * len(batch)
+        if policy.should_draft(caps):
+            draft_ms = cost.draft_ms(len(batch))
+            policy.record_draft_ms(draft_ms)
+            allocation = policy.choose([step.tree for step in batch], caps)
+            num_nodes = allocation.num_nodes
+        else:
+            draft_ms, num_nodes = 0.0, (0,) * len(batch)
+        trees = [tree_prefix(step.tree, n) for step, n in zip(batch, num_nodes, strict=True)]
+        accepted = [
+            tuple(node for node in step.accepted if node <= n)
+            for step, n in zip(batch, num_nodes, strict=True)
+        ]
+        verify_ms = float(cost.verify_ms(len(batch), len(batch) * max(t.num_nodes for t in trees)))
+        policy.record_verify_ms(verify_ms)
+        policy.observe(trees, accepted)
+        tokens += sum(len(a) + 1 for a in accepted)
+        ms += draft_ms + verify_ms
+    return 1000.0 * tokens / ms
+
+
+def _accepted_within(step: TraceStep, budget: int) -> int:
+    """Greedy acceptance of the tree's first `budget` nodes: the accepted path's part inside them."""
+    return sum(1 for node in step.accepted if node <= budget)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _row_line(row: dict) -> str:
+    return f"concurrency {row['concurrency']}: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in row.items() if k != "concurrency"
+    )
+
+
+def markdown_table(rows: list[dict], title: str) -> str:
+    names = [k for k in rows[0] if k != "concurrency"]
+    fixed = [n for n in names if n.startswith("ddtree-")]
+    lines = [
+        f"### {title}",
+        "",
+        "tokens/s; last columns: adaptive / max(ar, best fixed) and adaptive / ar",
+        "",
+        "| concurrency | " + " | ".join(names) + " | adaptive / best | adaptive / ar |",
+        "|---" * (len(names) + 3) + "|",
+    ]
+    for row in rows:
+        best = max(row["ar"], *(row[n] for n in fixed))
+        cells = " | ".join(f"{row[n]:.1f}" for n in names)
+        ratios = f"{row['adaptive'] / best:.2f} | {row['adaptive'] / row['ar']:.2f}"
+        lines.append(f"| {row['concurrency']} | {cells} | {ratios} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    concurrencies = [row["concurrency"] for row in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in (k for k in rows[0] if k != "concurrency"):
+        style = "k-o" if name == "adaptive" else ("--s" if name == "ar" else ":^")
+        ax.plot(concurrencies, [row[name] for row in rows], style, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.set_xlabel("concurrency (running requests)")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", default=None, help="target model dir (default: bundled)")
+    parser.add_argument("--drafter", default=None, help="DFlash drafter dir (default: bundled)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="comma-separated")
+    parser.add_argument(
+        "--budgets", default="8,32,64", help="fixed DDTree budgets; the largest is the ceiling"
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--max-seq-len", type=int, default=512)
+    parser.add_argument(
+        "--simulate-cost", type=Path, default=None, help="cost curve JSON: simulate, run no model"
+    )
+    parser.add_argument(
+        "--traces", type=Path, default=OUT_DIR / "budget_traces.json", help="acceptance traces"
+    )
+    parser.add_argument(
+        "--draft-ms", type=float, default=None, help="simulation: drafter ms (default: the file's)"
+    )
+    parser.add_argument("--sim-steps", type=int, default=200, help="simulated steps per concurrency")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.simulate_cost is None:
+        rows, traces = run_live(args)
+        args.traces.write_text(json.dumps([t.as_json() for t in traces]) + "\n")
+        title, stem = (
+            f"Budget sweep, {args.device} {args.dtype}, {args.max_tokens} new tokens",
+            "budget_sweep",
+        )
+    else:
+        if not args.traces.exists():
+            raise SystemExit(f"no traces at {args.traces}: run the live sweep first (it records them)")
+        traces = [TraceStep.from_json(t) for t in json.loads(args.traces.read_text())]
+        draft_ms = (
+            args.draft_ms if args.draft_ms is not None else load_cost_curve(args.simulate_cost).draft_ms(1)
+        )
+        title = (
+            f"SIMULATION: {len(traces)} recorded bundled-drafter steps x cost {args.simulate_cost.name}"
+            f" (draft {draft_ms:g} ms)"
+        )
+        rows, stem = run_simulation(args, traces), "budget_sweep_sim"
+    table = markdown_table(rows, title)
+    print("\n" + table)
+    (args.out_dir / f"{stem}.md").write_text(table)
+    (args.out_dir / f"{stem}.json").write_text(
+        json.dumps({"args": vars(args), "rows": rows}, default=str) + "\n"
+    )
+    plot(rows, args.out_dir / f"{stem}.png", title)
+    print(f"wrote {args.out_dir / stem}.{{md,json,png}}")
+
+
+if __name__ == "__main__":
+    main()

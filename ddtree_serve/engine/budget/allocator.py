@@ -1,0 +1,119 @@
+"""The per-step choice of tree sizes across the batch: nodes where they are most likely accepted.
+
+Each running request offers candidate nodes in its best-first order, each with a calibrated
+acceptance probability (non-increasing along the order, so any prefix is an ancestor-closed
+tree). A step emits, per request, its accepted nodes plus one bonus token, and costs the
+drafter's call plus one verify forward. The allocator maximises predicted tokens per second:
+
+- `layout="packed"` (the target processes sum of tree sizes): pool every request's candidates,
+  add them in descending probability and keep the prefix of that order with the highest
+  predicted rate. Where the rate rises and then falls this is "add while it keeps rising"; on a
+  stepped cost curve (kernel or graph buckets) it does not stop at the first dip.
+- `layout="padded"` (the engine pads every tree to the widest, so the forward costs
+  `batch * widest`): nodes below the widest tree are free, so the best allocation gives every
+  request min(width, its cap) nodes; the allocator tries each width and keeps the best.
+
+Losslessness does not depend on the choice: it is made from drafter outputs only, before the
+target draws any coin, and every tree verified is a prefix of a valid best-first tree.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+TokenLayout = Literal["packed", "padded"]
+
+
+class StepCost(Protocol):
+    """What `allocate` needs from a cost model (`CostCurve` is one)."""
+
+    def verify_ms(self, batch_size: int, target_tokens: np.ndarray | float) -> np.ndarray: ...
+
+    def draft_ms(self, batch_size: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Draft nodes per request (root excluded; 0 = root only) and what the choice predicts."""
+
+    num_nodes: tuple[int, ...]
+    expected_accepted: tuple[float, ...]  # calibrated expected accepted draft tokens per request
+    step_ms: float  # predicted drafter + verify milliseconds
+
+    @property
+    def expected_tokens(self) -> float:
+        """Tokens the step is predicted to emit: accepted drafts plus one bonus per request."""
+        return sum(self.expected_accepted) + len(self.num_nodes)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.expected_tokens / self.step_ms
+
+
+def allocate(
+    accept_probs: Sequence[np.ndarray],
+    caps: Sequence[int],
+    cost: StepCost,
+    *,
+    draft_ms: float,
+    layout: TokenLayout = "padded",
+) -> Allocation:
+    """Choose each request's tree size.
+
+    `accept_probs[i]`: request i's calibrated acceptance probabilities in its best-first order
+    (made non-increasing here, so a request's share is always a prefix). `caps[i]`: most draft
+    nodes request i may verify (its `draft_budget`, the engine budget). `draft_ms`: the drafter's
+    cost of this step, counted in every option (0 when it is not part of the choice).
+    """
+    if len(accept_probs) != len(caps) or not caps:
+        raise ValueError("need one cap per request and at least one request")
+    probs = [_non_increasing(p)[: max(int(c), 0)] for p, c in zip(accept_probs, caps, strict=True)]
+    if layout == "packed":
+        return _allocate_packed(probs, cost, draft_ms)
+    return _allocate_padded(probs, cost, draft_ms)
+
+
+def plain_decode_rate(batch_size: int, cost: StepCost) -> float:
+    """Tokens per second of a step that skips the drafter: one token per request, root-only trees."""
+    return 1000.0 * batch_size / float(cost.verify_ms(batch_size, batch_size))
+
+
+def _allocate_packed(probs: list[np.ndarray], cost: StepCost, draft_ms: float) -> Allocation:
+    batch_size = len(probs)
+    pooled = np.concatenate([np.zeros(0), *probs])  # [total]
+    owner = np.concatenate([np.zeros(0, dtype=np.int64), *[np.full(len(p), i) for i, p in enumerate(probs)]])
+    order = np.argsort(-pooled, kind="stable")  # ties: earlier request, earlier node first
+    expected = batch_size + np.concatenate(([0.0], np.cumsum(pooled[order])))  # [total + 1]
+    target_tokens = batch_size + np.arange(len(pooled) + 1)  # roots + chosen nodes
+    rates = expected / (draft_ms + cost.verify_ms(batch_size, target_tokens))
+    best = int(np.argmax(rates))
+    num_nodes = np.bincount(owner[order[:best]], minlength=batch_size)
+    return _allocation(probs, num_nodes, draft_ms + float(cost.verify_ms(batch_size, target_tokens[best])))
+
+
+def _allocate_padded(probs: list[np.ndarray], cost: StepCost, draft_ms: float) -> Allocation:
+    batch_size = len(probs)
+    widest = max(len(p) for p in probs)
+    widths = np.arange(widest + 1)  # draft nodes of the widest tree
+    expected = np.full(widest + 1, float(batch_size))
+    for p in probs:
+        cumulative = np.concatenate(([0.0], np.cumsum(p)))
+        expected += cumulative[np.minimum(widths, len(p))]
+    step_ms = draft_ms + cost.verify_ms(batch_size, batch_size * (widths + 1))
+    best = int(np.argmax(expected / step_ms))
+    num_nodes = np.array([min(best, len(p)) for p in probs])
+    return _allocation(probs, num_nodes, float(step_ms[best]))
+
+
+def _allocation(probs: list[np.ndarray], num_nodes: np.ndarray, step_ms: float) -> Allocation:
+    return Allocation(
+        num_nodes=tuple(int(n) for n in num_nodes),
+        expected_accepted=tuple(float(p[:n].sum()) for p, n in zip(probs, num_nodes, strict=True)),
+        step_ms=step_ms,
+    )
+
+
+def _non_increasing(values: np.ndarray) -> np.ndarray:
+    return np.minimum.accumulate(np.clip(np.asarray(values, dtype=np.float64).reshape(-1), 0.0, 1.0))

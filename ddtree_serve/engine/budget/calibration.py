@@ -1,0 +1,89 @@
+"""The drafter's acceptance forecast, calibrated online against what verification accepts.
+
+A best-first tree lists its nodes in non-increasing drafter probability `exp(logw)`, the chance
+under the drafter's factorised distribution that the node's whole prefix is what the target
+continues with; the sum over the first n nodes is the drafter's forecast of the accepted length
+of an n-node tree. Drafters are rarely calibrated (and tree rejection sampling accepts a node
+with a probability that also depends on its siblings), so the engine keeps, per probability
+bin, how many verified nodes fell in the bin and how many of them were on the accepted path.
+
+Bins are equal steps in logit(p) over [-8, 8], fine near 0 and near 1 where a confident
+drafter's nodes crowd (0.99 and 0.9 are different forecasts). Each bin starts with
+`prior_weight` pseudo-nodes that accept at the bin's own centre probability, so before any data
+the calibrated value is the drafter's, and an empty bin never reads as "never accepted".
+Statistics decay by `decay` per observed step so the map follows a drifting workload. The bin
+rates are made non-decreasing in probability (pool-adjacent-violators), and a node's calibrated
+value interpolates them linearly: a monotone map keeps each tree's best-first order, so any
+prefix stays ancestor-closed.
+"""
+
+import numpy as np
+
+from ddtree_serve.engine.budget.isotonic import isotonic_increasing
+
+_LOGIT_LIMIT = 8.0  # bins span logit(p) in [-8, 8]: p from 3e-4 to 1 - 3e-4
+
+
+class AcceptanceCalibrator:
+    """Maps drafter node probabilities to the observed probability that verification accepts them."""
+
+    def __init__(self, num_bins: int = 24, prior_weight: float = 4.0, decay: float = 0.995) -> None:
+        if num_bins < 1 or prior_weight <= 0.0 or not 0.0 < decay <= 1.0:
+            raise ValueError("need num_bins >= 1, prior_weight > 0 and decay in (0, 1]")
+        self.num_bins = num_bins
+        self.prior_weight = prior_weight
+        self.decay = decay
+        # Bin j holds logit(p) in [-8 + j w, -8 + (j + 1) w), w = 16 / num_bins; the end bins also
+        # hold everything beyond.
+        self._bin_width = 2 * _LOGIT_LIMIT / num_bins
+        self._centres = _sigmoid(-_LOGIT_LIMIT + (np.arange(num_bins) + 0.5) * self._bin_width)  # [num_bins]
+        self._num_nodes = np.zeros(num_bins)  # decayed count of verified nodes per bin
+        self._num_accepted = np.zeros(num_bins)  # ... of those on the accepted path
+        self._prob_sum = np.zeros(num_bins)  # ... sum of their drafter probabilities
+        self._table: tuple[np.ndarray, np.ndarray] | None = None  # (probs, rates), ascending
+
+    def bin_index(self, drafter_probs: np.ndarray) -> np.ndarray:
+        """Bin of each probability (0 and 1 included), ascending in p."""
+        probs = np.clip(np.asarray(drafter_probs, dtype=np.float64), 1e-12, 1.0 - 1e-12)
+        logits = np.log(probs) - np.log1p(-probs)
+        bins = np.floor((logits + _LOGIT_LIMIT) / self._bin_width)
+        return np.clip(bins, 0, self.num_bins - 1).astype(np.int64)
+
+    def observe(self, drafter_probs: np.ndarray, accepted: np.ndarray) -> None:
+        """One verify step's nodes (any requests, root excluded) and whether each was accepted."""
+        probs = np.asarray(drafter_probs, dtype=np.float64).reshape(-1)
+        hits = np.asarray(accepted, dtype=np.float64).reshape(-1)
+        if probs.shape != hits.shape:
+            raise ValueError(f"{probs.shape[0]} probabilities for {hits.shape[0]} outcomes")
+        bins = self.bin_index(probs)
+        for stats in (self._num_nodes, self._num_accepted, self._prob_sum):
+            stats *= self.decay
+        np.add.at(self._num_nodes, bins, 1.0)
+        np.add.at(self._num_accepted, bins, hits)
+        np.add.at(self._prob_sum, bins, probs)
+        self._table = None
+
+    def calibrate(self, drafter_probs: np.ndarray) -> np.ndarray:
+        """Calibrated acceptance probability of each node: same shape, non-decreasing in p."""
+        probs = np.asarray(drafter_probs, dtype=np.float64)
+        table_probs, table_rates = self._interpolation_table()
+        return np.interp(probs, table_probs, table_rates)
+
+    def expected_accepted(self, drafter_probs: np.ndarray) -> float:
+        """Expected accepted draft tokens of a tree holding nodes of these probabilities."""
+        return float(self.calibrate(drafter_probs).sum())
+
+    def _interpolation_table(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._table is None:
+            weights = self._num_nodes + self.prior_weight
+            prior_mass = self.prior_weight * self._centres
+            mean_probs = (self._prob_sum + prior_mass) / weights
+            rates = (self._num_accepted + prior_mass) / weights
+            monotone = np.clip(isotonic_increasing(rates, weights), 0.0, 1.0)  # bins ascend in p already
+            # Anchored at (0, 0): a node the drafter gives no chance is never counted on.
+            self._table = (np.concatenate(([0.0], mean_probs)), np.concatenate(([0.0], monotone)))
+        return self._table
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))

@@ -1,0 +1,170 @@
+"""What a step costs: verify time over (batch size, target tokens), and the drafter's time per batch.
+
+"Target tokens" are the tokens one verify forward processes, padding included (the engine pads
+every tree of a batch to the widest, so `batch * widest tree`). The curve is a grid measured at
+start-up (`measure.py`) or loaded from a file, interpolated bilinearly between grid points (held
+at the edge rows past the batch axis; along tokens held below the first point and extrapolated
+linearly, never downward, past the last), then refreshed from live step timings: a
+measured step moves its neighbouring grid points toward `measured / predicted` by an EMA weight.
+
+File format (JSON; `load_cost_curve`), tolerant of what other benchmarks write:
+
+    {"batch": [1, 8], "tokens": [8, 64, 512], "ms": [[...3 values...], [...]]}   # ms[batch][tokens]
+    {"tokens": [1, 8, 16, 64, 128], "ms": [0.47, 2.0, 3.5, 8.2, 9.9]}           # total tokens only
+    {"entries": [{"batch": 1, "tokens": 8, "ms": 2.0}, ...]}  or a bare list of such entries
+
+Aliases: "batch_size"/"batch_sizes" for "batch"; "num_tokens"/"n"/"N" for "tokens";
+"step_ms"/"time_ms"/"latency_ms" for "ms". Optional: "draft_ms" (a number, a list aligned with
+"batch", or {"batch": ms}), the drafter's cost per call, default 0; "scale" (a number) multiplies
+every verify time, e.g. the layer count when the file holds one layer's cost. Other keys
+(device, notes) are ignored. Entries missing from a grid are interpolated within their batch row.
+"""
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_BATCH_KEYS = ("batch", "batch_size", "batch_sizes")
+_TOKEN_KEYS = ("tokens", "num_tokens", "n", "N")
+_MS_KEYS = ("ms", "step_ms", "time_ms", "latency_ms")
+
+
+class CostCurve:
+    """Predicted verify and draft milliseconds; refreshed in place by live timings."""
+
+    def __init__(
+        self,
+        batch_sizes: Sequence[float],
+        token_counts: Sequence[float],
+        verify_ms: Sequence[Sequence[float]],
+        draft_ms: Sequence[float] | None = None,
+        ema_weight: float = 0.1,
+    ) -> None:
+        self.batch_sizes = np.asarray(batch_sizes, dtype=np.float64)  # [nb] ascending
+        self.token_counts = np.asarray(token_counts, dtype=np.float64)  # [nt] ascending
+        self.grid_ms = np.array(verify_ms, dtype=np.float64).reshape(len(self.batch_sizes), -1)  # [nb, nt]
+        no_draft = np.zeros(len(self.batch_sizes))
+        self.draft_grid_ms = no_draft if draft_ms is None else np.array(draft_ms, dtype=np.float64)  # [nb]
+        shapes_match = self.draft_grid_ms.shape == self.batch_sizes.shape
+        if self.grid_ms.shape[1] != len(self.token_counts) or not shapes_match:
+            raise ValueError("cost grid shapes do not match its batch sizes and token counts")
+        for axis in (self.batch_sizes, self.token_counts):
+            if len(axis) == 0 or np.any(np.diff(axis) <= 0):
+                raise ValueError("cost grid axes must be non-empty and strictly ascending")
+        if np.any(self.grid_ms <= 0) or np.any(self.draft_grid_ms < 0):
+            raise ValueError("verify times must be > 0 ms and draft times >= 0 ms")
+        self.ema_weight = ema_weight
+
+    def verify_ms(self, batch_size: int, target_tokens: np.ndarray | float) -> np.ndarray:
+        """Predicted verify milliseconds of `batch_size` requests over `target_tokens` tokens."""
+        (b0, b1), (wb0, wb1) = _bracket(self.batch_sizes, batch_size)
+        tokens = np.asarray(target_tokens, dtype=np.float64)
+        row0 = _interp_extrapolate(tokens, self.token_counts, self.grid_ms[b0])
+        row1 = _interp_extrapolate(tokens, self.token_counts, self.grid_ms[b1])
+        return wb0 * row0 + wb1 * row1
+
+    def draft_ms(self, batch_size: int) -> float:
+        """Predicted milliseconds of one drafter call for `batch_size` requests."""
+        return float(_interp_extrapolate(np.float64(batch_size), self.batch_sizes, self.draft_grid_ms))
+
+    def observe_verify(self, batch_size: int, target_tokens: int, measured_ms: float) -> None:
+        """Move the grid points around (batch, tokens) toward the measured/predicted ratio."""
+        ratio = measured_ms / float(self.verify_ms(batch_size, target_tokens))
+        (b0, b1), (wb0, wb1) = _bracket(self.batch_sizes, batch_size)
+        (t0, t1), (wt0, wt1) = _bracket(self.token_counts, target_tokens)
+        for b, wb in ((b0, wb0), (b1, wb1)):
+            for t, wt in ((t0, wt0), (t1, wt1)):
+                self.grid_ms[b, t] *= 1.0 + self.ema_weight * wb * wt * (ratio - 1.0)
+
+    def observe_draft(self, batch_size: int, measured_ms: float) -> None:
+        (b0, b1), (wb0, wb1) = _bracket(self.batch_sizes, batch_size)
+        for b, wb in ((b0, wb0), (b1, wb1)):
+            self.draft_grid_ms[b] += self.ema_weight * wb * (measured_ms - self.draft_grid_ms[b])
+
+    def to_json(self) -> dict[str, Any]:
+        """The grid form `load_cost_curve` reads back."""
+        return {
+            "batch": self.batch_sizes.tolist(),
+            "tokens": self.token_counts.tolist(),
+            "ms": self.grid_ms.tolist(),
+            "draft_ms": self.draft_grid_ms.tolist(),
+        }
+
+
+def load_cost_curve(source: str | Path | Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> CostCurve:
+    """A `CostCurve` from a JSON file path or its parsed content (formats in the module docstring)."""
+    data = json.loads(Path(source).read_text()) if isinstance(source, str | Path) else source
+    spec: Mapping[str, Any] = {"entries": data} if isinstance(data, Sequence) else data
+    if "entries" in spec:
+        batch_sizes, token_counts, grid = _grid_from_entries(spec["entries"])
+    else:
+        token_counts = [float(t) for t in _field(spec, _TOKEN_KEYS)]
+        ms = np.asarray(_field(spec, _MS_KEYS), dtype=np.float64)
+        batch_field = next((spec[k] for k in _BATCH_KEYS if k in spec), None)
+        batch_sizes = [1.0] if batch_field is None else [float(b) for b in batch_field]
+        grid = ms.reshape(len(batch_sizes), len(token_counts))
+    grid = grid * float(spec.get("scale", 1.0))
+    return CostCurve(batch_sizes, token_counts, grid, _draft_ms(spec.get("draft_ms", 0.0), batch_sizes))
+
+
+def _grid_from_entries(entries: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float], np.ndarray]:
+    points = [
+        (float(_field(e, _BATCH_KEYS, default=1)), float(_field(e, _TOKEN_KEYS)), float(_field(e, _MS_KEYS)))
+        for e in entries
+    ]
+    if not points:
+        raise ValueError("a cost curve needs at least one entry")
+    batch_sizes = sorted({b for b, _, _ in points})
+    token_counts = sorted({t for _, t, _ in points})
+    grid = np.empty((len(batch_sizes), len(token_counts)))
+    for row, batch in enumerate(batch_sizes):
+        row_points = sorted((t, ms) for b, t, ms in points if b == batch)
+        xs, ys = (np.array(v, dtype=np.float64) for v in zip(*row_points, strict=True))
+        grid[row] = _interp_extrapolate(np.array(token_counts), xs, ys)
+    return batch_sizes, token_counts, grid
+
+
+def _draft_ms(value: Any, batch_sizes: list[float]) -> list[float]:
+    if isinstance(value, Mapping):
+        xs = np.array(sorted(float(k) for k in value), dtype=np.float64)
+        ys = np.array([float(value[k]) for k in sorted(value, key=float)], dtype=np.float64)
+        return _interp_extrapolate(np.array(batch_sizes), xs, ys).tolist()
+    if isinstance(value, Sequence):
+        return [float(v) for v in value]
+    return [float(value)] * len(batch_sizes)
+
+
+def _field(spec: Mapping[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
+    for key in keys:
+        if key in spec:
+            return spec[key]
+    if default is None:
+        raise ValueError(f"cost curve entry has none of the keys {keys}")
+    return default
+
+
+def _bracket(axis: np.ndarray, x: float) -> tuple[tuple[int, int], tuple[float, float]]:
+    """The two grid indices around x and their linear weights; clamped at the ends."""
+    if x <= axis[0] or len(axis) == 1:
+        return (0, 0), (1.0, 0.0)
+    if x >= axis[-1]:
+        last = len(axis) - 1
+        return (last, last), (1.0, 0.0)
+    hi = int(np.searchsorted(axis, x))
+    lo = hi - 1
+    w_hi = (x - axis[lo]) / (axis[hi] - axis[lo])
+    return (lo, hi), (1.0 - w_hi, w_hi)
+
+
+def _interp_extrapolate(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Linear interpolation; held at the first value below the range (a smaller shape is not
+    assumed cheaper than the smallest measured) and continued with the last segment's slope,
+    floored at 0, above it (a larger shape is never assumed cheaper)."""
+    inner = np.interp(x, xs, ys)
+    if len(xs) == 1:
+        return inner
+    slope_hi = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+    return np.where(x > xs[-1], ys[-1] + slope_hi * (x - xs[-1]), inner)

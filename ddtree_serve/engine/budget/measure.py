@@ -1,0 +1,124 @@
+"""The start-up cost calibration: time verify and draft calls over a grid of shapes.
+
+`measure_cost_curve` takes a `CostProbe`, something that can run one verify forward of a given
+batch and tree width and one drafter call of a given batch and say how long each took; the
+engine's probe (`ModelCostProbe`) runs them through its `Target` and `Drafter` on scratch
+slots. Each shape is run once to warm up, then `repeats` times; the fastest run is kept (other
+work on the machine only ever adds time), and each batch row is made non-decreasing in tokens
+(a least-squares monotone fit), so one slow outlier cannot make a larger tree look cheaper.
+"""
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ddtree_serve.engine.budget.cost_curve import CostCurve
+from ddtree_serve.engine.budget.isotonic import isotonic_increasing
+from ddtree_serve.engine.interfaces import (
+    ContextSlice,
+    Drafter,
+    DraftInput,
+    PrefillInput,
+    SamplingBatch,
+    Target,
+    VerifyInput,
+)
+from ddtree_serve.tree import build_chain, build_verify_batch
+
+
+class CostProbe(Protocol):
+    def verify_ms(self, batch_size: int, tree_nodes: int) -> float:
+        """Milliseconds of one verify of `batch_size` trees of `tree_nodes` nodes (root included)."""
+        ...
+
+    def draft_ms(self, batch_size: int) -> float:
+        """Milliseconds of one drafter call for `batch_size` requests."""
+        ...
+
+
+def measure_cost_curve(
+    probe: CostProbe, batch_sizes: Sequence[int], tree_nodes: Sequence[int], repeats: int = 3
+) -> CostCurve:
+    """A grid over `batch_sizes` x target tokens (`batch * tree_nodes`, the padded verify width)."""
+    token_counts = sorted({b * n for b in batch_sizes for n in tree_nodes})
+    grid = np.empty((len(batch_sizes), len(token_counts)))
+    draft_ms = []
+    for row, batch_size in enumerate(batch_sizes):
+        tokens, row_ms = [], []
+        for nodes in tree_nodes:
+            probe.verify_ms(batch_size, nodes)
+            tokens.append(batch_size * nodes)
+            row_ms.append(min(probe.verify_ms(batch_size, nodes) for _ in range(repeats)))
+        order = np.argsort(tokens)
+        fitted = isotonic_increasing(np.array(row_ms)[order], np.ones(len(tokens)))
+        # Token counts this row did not measure: interpolated, held below, flat above its range.
+        grid[row] = np.interp(token_counts, np.array(tokens, dtype=np.float64)[order], fitted)
+        probe.draft_ms(batch_size)
+        draft_ms.append(min(probe.draft_ms(batch_size) for _ in range(repeats)))
+    return CostCurve(batch_sizes, token_counts, grid, draft_ms=draft_ms)
+
+
+class ModelCostProbe:
+    """Times the engine's own `Target` and `Drafter` calls on scratch slots, before serving.
+
+    Each timed call gets freshly prefilled slots (a short dummy prompt, not timed) and releases
+    them afterwards, so the probe leaves every slot empty. Both calls return host tensors, so
+    the wall clock covers the device work (and, over Ray, the transport).
+    """
+
+    def __init__(self, target: Target, drafter: Drafter, top_k: int, prompt_tokens: int = 8) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.top_k = top_k
+        self.prompt = [t % target.vocab_size for t in range(1, prompt_tokens + 1)]
+
+    def verify_ms(self, batch_size: int, tree_nodes: int) -> float:
+        slots = list(range(batch_size))
+        self._prefill(slots)
+        chain = build_chain(np.zeros(tree_nodes - 1, dtype=np.int64), 0)  # tree_nodes incl. root
+        inputs = VerifyInput(
+            slots, build_verify_batch([chain] * batch_size), _greedy(batch_size), None, None, False
+        )
+        started = time.perf_counter()
+        self.target.verify_and_commit(inputs)
+        elapsed_ms = 1000.0 * (time.perf_counter() - started)
+        self._release(slots, drafter=False)
+        return elapsed_ms
+
+    def draft_ms(self, batch_size: int) -> float:
+        slots = list(range(batch_size))
+        prefill = self._prefill(slots)
+        contexts = [(ContextSlice(prefill.context, i),) for i in range(batch_size)]
+        inputs = DraftInput(slots, prefill.first_tokens, contexts, self.top_k)
+        started = time.perf_counter()
+        self.drafter.draft(inputs)
+        elapsed_ms = 1000.0 * (time.perf_counter() - started)
+        self._release(slots, drafter=True)
+        return elapsed_ms
+
+    def _prefill(self, slots: list[int]):
+        return self.target.prefill(PrefillInput(slots, [self.prompt] * len(slots), _greedy(len(slots)), None))
+
+    def _release(self, slots: list[int], drafter: bool) -> None:
+        for slot in slots:
+            self.target.release(slot)
+            if drafter:
+                self.drafter.release(slot)
+
+
+def _greedy(batch_size: int) -> SamplingBatch:
+    return SamplingBatch(
+        temperature=torch.zeros(batch_size),
+        top_k=torch.zeros(batch_size, dtype=torch.int64),
+        top_p=torch.ones(batch_size),
+        all_greedy=True,
+    )
+
+
+def powers_of_two_upto(limit: int) -> list[int]:
+    """1, 2, 4, ... below `limit`, then `limit` itself: the default calibration buckets."""
+    values = [1 << i for i in range(limit.bit_length()) if 1 << i < limit]
+    return [*values, limit]

@@ -1,0 +1,116 @@
+"""`AdaptiveBudget`: the engine's per-step budget choice, from calibration, cost and the gate.
+
+One step calls, in pipeline order (the policy holds the step's figures in between):
+    should_draft(caps)            before drafting; False = a plain decode step (root-only trees)
+    record_draft_ms(ms)           after the drafter call, when there was one
+    choose(trees, caps)           trees built at their ceiling -> draft nodes per request
+    record_verify_ms(ms)          after the verify call
+    observe(trees, accepted)      the verified trees and their accepted nodes: calibration,
+                                  cost refresh and the step's `BudgetStep` record
+The trees verified are `tree_prefix(tree, n)` of the ones built, so the choice reads drafter
+outputs only and verification stays lossless.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddtree_serve.engine.budget.allocator import Allocation, TokenLayout, allocate
+from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
+from ddtree_serve.engine.budget.cost_curve import CostCurve
+from ddtree_serve.engine.budget.draft_gate import DraftGate
+from ddtree_serve.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class BudgetStep:
+    """What one step chose and how its forecast fared (for metrics, spans and benchmarks)."""
+
+    drafted: bool
+    num_nodes: tuple[int, ...]  # draft nodes verified per request
+    predicted_accepted: float  # calibrated expected accepted draft tokens, whole batch
+    accepted: int  # accepted draft tokens, whole batch
+
+
+class AdaptiveBudget:
+    """Owns the calibrator, the cost curve and the draft gate of one engine."""
+
+    def __init__(
+        self,
+        cost: CostCurve,
+        calibrator: AcceptanceCalibrator | None = None,
+        gate: DraftGate | None = None,
+        layout: TokenLayout = "padded",
+    ) -> None:
+        self.cost = cost
+        self.calibrator = calibrator or AcceptanceCalibrator()
+        self.gate = gate or DraftGate()
+        self.layout = layout  # the engine pads every tree of a batch to the widest
+        self.last_step: BudgetStep | None = None
+        self._draft_ms: float | None = None
+        self._verify_ms: float | None = None
+        self._allocation: Allocation | None = None
+
+    def should_draft(self, caps: Sequence[int]) -> bool:
+        """Starts a step: draft (True) or decode plainly, from recent acceptance and the cost."""
+        self._draft_ms = self._verify_ms = self._allocation = None
+        return self.gate.decide(caps, self.cost, self.layout)
+
+    def record_draft_ms(self, draft_ms: float) -> None:
+        self._draft_ms = draft_ms
+
+    def record_verify_ms(self, verify_ms: float) -> None:
+        self._verify_ms = verify_ms
+
+    def choose(self, trees: Sequence[DraftTree], caps: Sequence[int]) -> Allocation:
+        """Draft nodes per request for trees built at their ceiling (`caps[i]` at most)."""
+        accept_probs = [self.calibrator.calibrate(np.exp(tree.logws[1:])) for tree in trees]
+        self.gate.record_curve(accept_probs)
+        draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
+        self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
+        return self._allocation
+
+    def observe(self, trees: Sequence[DraftTree], accepted_nodes: Sequence[Sequence[int]]) -> BudgetStep:
+        """Ends a step: the verified trees and each one's accepted draft nodes (root excluded).
+
+        Only drafted steps teach the calibrator; every timed call refreshes the cost curve.
+        """
+        batch_size = len(trees)
+        drafted = self._allocation is not None
+        if self._verify_ms is not None:
+            target_tokens = batch_size * max(tree.num_nodes for tree in trees)  # padded verify batch
+            self.cost.observe_verify(batch_size, target_tokens, self._verify_ms)
+        if self._draft_ms is not None:
+            self.cost.observe_draft(batch_size, self._draft_ms)
+        if drafted:
+            probs, hits = [], []
+            for tree, nodes in zip(trees, accepted_nodes, strict=True):
+                hit = np.zeros(tree.num_nodes, dtype=bool)
+                hit[list(nodes)] = True  # node indices count from the root (0)
+                probs.append(np.exp(tree.logws[1:]))
+                hits.append(hit[1:])
+            self.calibrator.observe(np.concatenate(probs), np.concatenate(hits))
+        self.last_step = BudgetStep(
+            drafted=drafted,
+            num_nodes=tuple(tree.num_nodes - 1 for tree in trees),
+            predicted_accepted=sum(self._allocation.expected_accepted) if drafted else 0.0,
+            accepted=sum(len(nodes) for nodes in accepted_nodes),
+        )
+        self._draft_ms = self._verify_ms = self._allocation = None
+        return self.last_step
+
+
+def tree_prefix(tree: DraftTree, num_draft_nodes: int) -> DraftTree:
+    """The first `num_draft_nodes` nodes of a best-first tree (and the root): itself a valid tree.
+
+    Best-first numbering puts parents before children and siblings in descending logw order, so
+    a prefix is ancestor-closed and keeps both orders.
+    """
+    end = min(num_draft_nodes, tree.num_nodes - 1) + 1
+    return DraftTree(
+        token_ids=tree.token_ids[:end],
+        depths=tree.depths[:end],
+        parents=tree.parents[:end],
+        logws=tree.logws[:end],
+    )

@@ -1,0 +1,141 @@
+"""The allocator, the draft gate and the policy on hand-built candidates and fake cost curves."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree_serve.engine.budget import (
+    AdaptiveBudget,
+    CostCurve,
+    DraftGate,
+    allocate,
+    plain_decode_rate,
+    tree_prefix,
+)
+from ddtree_serve.tree import build_ddtree, draft_topk
+
+CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
+UNSURE = np.array([0.4, 0.15, 0.1, 0.05, 0.02, 0.01, 0.01, 0.0])
+
+
+def linear_curve(fixed_ms: float, per_token_ms: float, draft_ms: float = 0.0) -> CostCurve:
+    """Verify costs fixed + per_token * target tokens at every batch size."""
+    tokens = np.array([1.0, 4096.0])
+    return CostCurve([1], tokens, [fixed_ms + per_token_ms * tokens], draft_ms=[draft_ms])
+
+
+def brute_force_best_rate(probs, caps, curve, draft_ms, layout) -> float:
+    best = 0.0
+    for counts in itertools.product(*[range(c + 1) for c in caps]):
+        batch = len(counts)
+        tokens = batch + sum(counts) if layout == "packed" else batch * (max(counts) + 1)
+        expected = batch + sum(p[:n].sum() for p, n in zip(probs, counts, strict=True))
+        best = max(best, expected / (draft_ms + float(curve.verify_ms(batch, tokens))))
+    return 1000.0 * best
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_allocation_is_the_best_over_every_pair_of_tree_sizes(layout):
+    curve = linear_curve(fixed_ms=4.0, per_token_ms=0.5)
+    caps = [8, 8]
+    allocation = allocate([CONFIDENT, UNSURE], caps, curve, draft_ms=1.0, layout=layout)
+    best = brute_force_best_rate([CONFIDENT, UNSURE], caps, curve, 1.0, layout)
+    assert allocation.tokens_per_s == pytest.approx(best)
+    assert all(0 <= n <= c for n, c in zip(allocation.num_nodes, caps, strict=True))
+
+
+def test_the_confident_request_gets_more_nodes():
+    allocation = allocate([UNSURE, CONFIDENT], [8, 8], linear_curve(4.0, 0.5), draft_ms=1.0, layout="packed")
+    unsure_nodes, confident_nodes = allocation.num_nodes
+    assert confident_nodes > unsure_nodes
+    assert confident_nodes >= 6
+    assert allocation.expected_accepted[1] == pytest.approx(CONFIDENT[:confident_nodes].sum())
+
+
+def test_caps_are_respected():
+    free_nodes = linear_curve(4.0, 0.0)  # every node is free: only the caps stop the allocator
+    for layout in ("packed", "padded"):
+        allocation = allocate(
+            [CONFIDENT, CONFIDENT, UNSURE], [3, 0, 5], free_nodes, draft_ms=0.0, layout=layout
+        )
+        assert allocation.num_nodes == (3, 0, 5)
+
+
+def test_expensive_nodes_mean_root_only_trees():
+    allocation = allocate([UNSURE, UNSURE], [8, 8], linear_curve(1.0, 100.0), draft_ms=0.0, layout="packed")
+    assert allocation.num_nodes == (0, 0)
+    assert allocation.expected_tokens == 2
+
+
+def test_non_increasing_order_is_enforced_so_shares_are_prefixes():
+    allocation = allocate([np.array([0.9, 0.1, 0.8])], [3], linear_curve(4.0, 0.5), draft_ms=0.0)
+    assert allocation.num_nodes == (1,)  # the 0.8 behind a 0.1 counts as 0.1
+
+
+def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
+    gate = DraftGate(probe_interval=4)
+    costly_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=20.0)
+    assert gate.decide([8, 8], costly_drafter, "padded")  # no curve yet: draft to learn one
+    gate.record_curve([UNSURE, UNSURE])
+    assert plain_decode_rate(2, costly_drafter) > 0
+    decisions = [gate.decide([8, 8], costly_drafter, "padded") for _ in range(10)]
+    assert decisions == [False, False, False, False, True, False, False, False, False, True]
+    cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
+    gate.record_curve([CONFIDENT, CONFIDENT])
+    assert gate.decide([8, 8], cheap_drafter, "padded")
+
+
+def test_gate_follows_the_recent_curve():
+    gate = DraftGate(curve_weight=0.5)
+    gate.record_curve([np.array([0.8, 0.4]), np.array([0.6])])
+    np.testing.assert_allclose(gate.curve, [0.7, 0.4])
+    gate.record_curve([np.array([0.2, 0.2, 0.2])])
+    np.testing.assert_allclose(gate.curve, [0.45, 0.3, 0.1])
+
+
+def random_draft(seed: int, depth: int = 6, k: int = 4, vocab: int = 50):
+    """Top-k of random drafter logits: `(logp, ids)` each `[depth, k]`."""
+    generator = torch.Generator().manual_seed(seed)
+    return draft_topk(torch.randn(depth, vocab, generator=generator) * 3, k)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_prefix_of_a_best_first_tree_is_the_smaller_best_first_tree(seed):
+    logp, ids = random_draft(seed)
+    full = build_ddtree(logp, ids, 24, root_token=7)
+    for n in (0, 1, 5, 13, 24, 40):
+        prefix, smaller = tree_prefix(full, n), build_ddtree(logp, ids, min(n, 24), root_token=7)
+        for field in ("token_ids", "depths", "parents", "logws"):
+            np.testing.assert_array_equal(getattr(prefix, field), getattr(smaller, field))
+
+
+def test_policy_learns_from_what_verification_accepted():
+    """Trees whose nodes are never accepted: the policy's forecast and its trees shrink."""
+    logp, ids = random_draft(0)
+    tree = build_ddtree(logp, ids, 16, root_token=7)
+    policy = AdaptiveBudget(linear_curve(4.0, 0.3, draft_ms=1.0), layout="packed")
+    first = policy.choose([tree], [16])
+    for _ in range(60):
+        policy.should_draft([16])  # starts the step; this test drafts whatever the gate says
+        policy.record_draft_ms(1.0)
+        allocation = policy.choose([tree], [16])
+        policy.record_verify_ms(5.0)
+        record = policy.observe([tree_prefix(tree, allocation.num_nodes[0])], [[]])
+        assert record.drafted and record.accepted == 0
+        assert record.predicted_accepted == pytest.approx(sum(allocation.expected_accepted))
+    last = policy.choose([tree], [16])
+    assert sum(last.expected_accepted) < 0.5 * sum(first.expected_accepted)
+    assert last.num_nodes[0] <= first.num_nodes[0]
+
+
+def test_a_plain_step_teaches_the_cost_curve_only():
+    policy = AdaptiveBudget(linear_curve(4.0, 0.3, draft_ms=1.0))
+    calibrated_before = policy.calibrator.calibrate(np.array([0.5]))
+    policy.should_draft([8])
+    policy.record_verify_ms(50.0)
+    record = policy.observe([tree_prefix(build_ddtree(*random_draft(1), 8, 3), 0)], [[]])
+    assert not record.drafted and record.num_nodes == (0,)
+    assert float(policy.cost.verify_ms(1, 1)) > 4.3  # pulled toward the 50 ms it measured
+    np.testing.assert_array_equal(policy.calibrator.calibrate(np.array([0.5])), calibrated_before)

@@ -1,0 +1,118 @@
+"""Cost curves: interpolation, live refresh, the tolerant file loader and start-up measurement."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ddtree_serve.engine.budget import CostCurve, load_cost_curve, measure_cost_curve, powers_of_two_upto
+
+
+def grid_curve() -> CostCurve:
+    return CostCurve([1, 4], [4, 16, 64], [[2.0, 4.0, 10.0], [3.0, 6.0, 12.0]], draft_ms=[1.0, 2.0])
+
+
+def test_interpolates_between_and_extrapolates_past_the_grid():
+    curve = grid_curve()
+    assert float(curve.verify_ms(1, 16)) == pytest.approx(4.0)
+    assert float(curve.verify_ms(1, 10)) == pytest.approx(3.0)  # halfway along tokens
+    assert float(curve.verify_ms(2.5, 16)) == pytest.approx(5.0)  # halfway along batch
+    assert float(curve.verify_ms(1, 112)) == pytest.approx(16.0)  # last slope: 6 ms per 48 tokens
+    assert float(curve.verify_ms(1, 1)) == pytest.approx(2.0)  # never cheaper than the smallest
+    np.testing.assert_allclose(curve.verify_ms(4, np.array([4, 64])), [3.0, 12.0])
+    assert curve.draft_ms(2.5) == pytest.approx(1.5)
+
+
+def test_live_timings_pull_the_curve_toward_what_was_measured():
+    curve = grid_curve()
+    for _ in range(100):
+        curve.observe_verify(1, 16, 8.0)
+        curve.observe_draft(4, 0.5)
+    assert float(curve.verify_ms(1, 16)) == pytest.approx(8.0, rel=0.01)
+    assert float(curve.verify_ms(4, 64)) == pytest.approx(12.0)  # a far grid point is untouched
+    assert curve.draft_ms(4) == pytest.approx(0.5, rel=0.01)
+
+
+def test_loader_reads_the_grid_form_and_round_trips(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(grid_curve().to_json()))
+    loaded = load_cost_curve(path)
+    np.testing.assert_allclose(loaded.grid_ms, grid_curve().grid_ms)
+    assert loaded.draft_ms(1) == pytest.approx(1.0)
+
+
+def test_loader_reads_a_tokens_only_curve_with_scale_and_aliases():
+    """The Kimi slice form: one layer's cost over total tokens; `scale` = layers."""
+    curve = load_cost_curve(
+        {"num_tokens": [1, 8, 16], "latency_ms": [0.47, 2.0, 3.5], "scale": 60, "device": "H200"}
+    )
+    assert float(curve.verify_ms(1, 8)) == pytest.approx(120.0)
+    assert float(curve.verify_ms(32, 12)) == pytest.approx(60 * 2.75)  # batch does not matter
+    assert curve.draft_ms(8) == 0.0
+
+
+def test_loader_grids_sparse_entries():
+    entries = [
+        {"batch_size": 1, "tokens": 2, "ms": 1.0},
+        {"batch_size": 1, "tokens": 8, "ms": 4.0},
+        {"batch_size": 2, "tokens": 4, "ms": 3.0},
+    ]
+    curve = load_cost_curve(entries)
+    assert curve.batch_sizes.tolist() == [1.0, 2.0]
+    assert curve.token_counts.tolist() == [2.0, 4.0, 8.0]
+    assert float(curve.verify_ms(1, 4)) == pytest.approx(2.0)  # filled within its row
+    assert float(curve.verify_ms(2, 8)) == pytest.approx(3.0)  # one point: flat row
+
+
+def test_loader_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="keys"):
+        load_cost_curve({"tokens": [1, 2]})
+    with pytest.raises(ValueError, match="ascending"):
+        load_cost_curve({"tokens": [2, 1], "ms": [1.0, 2.0]})
+
+
+class LinearProbe:
+    """A fake model: verify costs 1 ms + 0.1 ms per target token, drafting 0.5 ms per request."""
+
+    def __init__(self) -> None:
+        self.verify_shapes: list[tuple[int, int]] = []
+
+    def verify_ms(self, batch_size: int, tree_nodes: int) -> float:
+        self.verify_shapes.append((batch_size, tree_nodes))
+        return 1.0 + 0.1 * batch_size * tree_nodes
+
+    def draft_ms(self, batch_size: int) -> float:
+        return 0.5 * batch_size
+
+
+def test_measurement_covers_the_grid_and_reproduces_the_probe():
+    probe = LinearProbe()
+    curve = measure_cost_curve(probe, [1, 2, 4], [1, 8, 33], repeats=2)
+    assert sorted(set(probe.verify_shapes)) == [(b, n) for b in (1, 2, 4) for n in (1, 8, 33)]
+    assert len(probe.verify_shapes) == 9 * 3  # one warm-up and two timed runs per shape
+    for batch_size in (1, 2, 4):
+        for nodes in (1, 8, 33):
+            assert float(curve.verify_ms(batch_size, batch_size * nodes)) == pytest.approx(
+                1.0 + 0.1 * batch_size * nodes
+            )
+        assert curve.draft_ms(batch_size) == pytest.approx(0.5 * batch_size)
+
+
+class NoisyProbe(LinearProbe):
+    """Every run of one shape is slowed by other work on the machine."""
+
+    def verify_ms(self, batch_size: int, tree_nodes: int) -> float:
+        slowdown = 50.0 if (batch_size, tree_nodes) == (2, 8) else 0.0
+        return super().verify_ms(batch_size, tree_nodes) + slowdown
+
+
+def test_a_slow_outlier_never_makes_a_larger_tree_look_cheaper():
+    curve = measure_cost_curve(NoisyProbe(), [1, 2], [1, 8, 33], repeats=2)
+    for row in curve.grid_ms:
+        assert np.all(np.diff(row) >= 0)
+
+
+def test_default_buckets_end_at_the_limit():
+    assert powers_of_two_upto(33) == [1, 2, 4, 8, 16, 32, 33]
+    assert powers_of_two_upto(8) == [1, 2, 4, 8]
+    assert powers_of_two_upto(1) == [1]

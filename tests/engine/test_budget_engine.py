@@ -1,0 +1,151 @@
+"""The engine under `budget_policy="adaptive"`: lossless whatever the policy chooses.
+
+Three cost files steer the policy into each of its regimes: free nodes (every tree at its
+ceiling), a drafter so costly that most steps decode plainly (so drafter context piles up over
+several steps and must all arrive at the next draft), and a steep per-token cost (small,
+uneven trees). Greedy output must equal plain decoding, positions must stay in step, and
+sampling must follow the target's distribution.
+"""
+
+import dataclasses
+import json
+from collections import Counter
+
+import pytest
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.budget import BudgetStep
+from ddtree_serve.engine.local import build_local_engine
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.models import bundled_target_dir, load_tokenizer
+from tests.engine.conftest import REFERENCE_TOKENS, bundled_pair_present
+from tests.engine.test_positions import CheckingDrafter, check_after_step
+from tests.engine.test_sampling import NUM_TOKENS, chi_square, chi_square_pvalue, exact_prefix_distribution
+
+COSTS = {
+    "free_nodes": {"tokens": [1, 4096], "ms": [10.0, 10.0], "draft_ms": 0.0},
+    "costly_drafter": {"tokens": [1, 4096], "ms": [10.0, 10.0], "draft_ms": 1000.0},
+    "steep": {"tokens": [1, 64], "ms": [10.0, 136.0], "draft_ms": 1.0},
+}
+
+
+@pytest.fixture(scope="module")
+def cost_files(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("costs")
+    paths = {}
+    for name, curve in COSTS.items():
+        path = folder / f"{name}.json"
+        path.write_text(json.dumps(curve))
+        paths[name] = str(path)
+    return paths
+
+
+def run_recording_steps(engine: SpecEngine) -> tuple[dict[str, list[int]], list[BudgetStep]]:
+    finished: dict[str, list[int]] = {}
+    steps: list[BudgetStep] = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+        if engine.budget_policy.last_step is not None:
+            steps.append(engine.budget_policy.last_step)
+    return finished, steps
+
+
+def assert_regime(name: str, steps: list[BudgetStep]) -> None:
+    """The cost file drove the policy where it should (else the test would prove little)."""
+    drafted = [s for s in steps if s.drafted]
+    if name == "free_nodes":
+        assert len(drafted) == len(steps) and all(max(s.num_nodes) >= 6 for s in drafted)
+    elif name == "costly_drafter":
+        assert 0 < len(drafted) < len(steps) // 3
+    else:  # trees cut below the ceiling of 8 (live timings later flatten the steep file's curve)
+        assert drafted and min(n for s in drafted for n in s.num_nodes) < 8
+
+
+@pytest.mark.parametrize("cost", list(COSTS))
+def test_greedy_adaptive_equals_plain_decoding_oracle(
+    make_oracle_engine, greedy_references, prompt_ids, cost_files, cost
+):
+    engine, _ = make_oracle_engine(
+        "ddtree", budget=8, max_num_seqs=3, budget_policy="adaptive", cost_curve=cost_files[cost]
+    )
+    for i, prompt in enumerate(prompt_ids):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
+    outputs, steps = run_recording_steps(engine)
+    for i, prompt in enumerate(prompt_ids):
+        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
+    assert_regime(cost, steps)
+
+
+@pytest.mark.parametrize("cost", list(COSTS))
+def test_greedy_adaptive_equals_plain_decoding_real_drafter(
+    make_pair_config, greedy_references, prompt_ids, cost_files, cost
+):
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files[cost]}))
+    for i, prompt in enumerate(prompt_ids):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
+    outputs, _ = run_recording_steps(engine)
+    for i, prompt in enumerate(prompt_ids):
+        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
+
+
+def test_context_from_plain_steps_reaches_the_drafter(make_pair_config, prompt_ids, cost_files):
+    """Costly drafter: many plain steps between drafts; drafter context == target cache throughout."""
+    config = make_pair_config(mode="ddtree", budget=6, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["costly_drafter"]}))
+    drafter = CheckingDrafter(engine.drafter, engine.target)
+    engine.drafter = drafter
+    for i, prompt in enumerate(prompt_ids):
+        params = SamplingParams(max_tokens=40, temperature=0.8 if i == 1 else 0.0, seed=i, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
+    num_checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_checked += check_after_step(engine, drafter)
+    assert drafter.num_checked >= 2 * len(prompt_ids)  # drafted more than once: a probe came back
+    assert drafter.mismatches == [] and num_checked > 20
+
+
+def test_measured_cost_curve_covers_the_engine_shapes(make_pair_config):
+    engine = build_local_engine(
+        make_pair_config(mode="ddtree", budget=4, max_num_seqs=2, budget_policy="adaptive")
+    )
+    cost = engine.budget_policy.cost
+    assert cost.batch_sizes.tolist() == [1, 2]
+    assert cost.token_counts.max() == 2 * 5  # the widest padded batch: 2 trees of 4 nodes + root
+    assert (cost.grid_ms > 0).all() and (cost.draft_grid_ms > 0).all()
+    assert all(engine.target.runner.seq_len(slot) == 0 for slot in range(2))  # scratch slots freed
+
+
+def test_adaptive_needs_ddtree():
+    with pytest.raises(ValueError, match="adaptive"):
+        EngineConfig(mode="chain", budget_policy="adaptive")
+
+
+@pytest.mark.skipif(not bundled_pair_present(), reason="needs the bundled pair")
+@pytest.mark.parametrize(("cost", "min_accepted"), [("free_nodes", 75), ("steep", 10)])
+def test_adaptive_sampling_follows_the_target_distribution(cost_files, cost, min_accepted):
+    """Chi-square goodness of fit of adaptive ddtree's first sampled tokens (as test_sampling)."""
+    config = EngineConfig(
+        mode="ddtree",
+        budget=16,
+        max_num_seqs=32,
+        budget_policy="adaptive",
+        cost_curve=cost_files[cost],
+        record_timings=True,
+    )
+    engine = build_local_engine(config)
+    prompt = load_tokenizer(bundled_target_dir()).encode("def fibonacci(n):").ids
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_k=4, ignore_eos=True)
+    num_samples = 300
+    for seed in range(num_samples):
+        engine.add_request(str(seed), prompt, dataclasses.replace(params, seed=seed))
+    outputs, steps = run_recording_steps(engine)
+    counts = Counter(tuple(tokens) for tokens in outputs.values())
+    exact = exact_prefix_distribution(bundled_target_dir(), prompt, params, NUM_TOKENS)
+    assert sum(s.accepted for s in steps) > min_accepted  # trees were accepted, not just roots
+    statistic, dof = chi_square(counts, exact)
+    assert chi_square_pvalue(statistic, dof) > 1e-3
