@@ -3,8 +3,8 @@
 One Coordinator replica is one group and one placement group. Bundle 0 holds the replica
 itself (Serve's rule), then the drafter, then the target group (one bundle per tensor-parallel
 rank, `target_group.py`); mode "ar" has no drafter and therefore no drafter bundle, so the target
-moves up to bundle 1. The workers are Ray actors in
-those bundles, or in-process models inside the replica (placement.workers = "in_process").
+moves up to bundle 1. The workers are Ray actors in those bundles, or in-process models inside
+the replica (placement.workers = "in_process").
 """
 
 from typing import Any

@@ -20,7 +20,6 @@ starts a new group.
 
 import dataclasses
 import socket
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -34,10 +33,7 @@ from ddtree_serve.engine.interfaces import PrefillInput, PrefillOutput, VerifyIn
 from ddtree_serve.models.parallel import RankSpec
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.wire import from_wire, to_wire
-from ddtree_serve.serve.workers import TargetFactory, TargetWorker
-
-RankFactory = Callable[[RankSpec], TargetFactory]
-"""Rank -> the picklable factory its TargetWorker calls (default: `TargetRankFactory`)."""
+from ddtree_serve.serve.workers import TargetWorker
 
 
 class TargetGroupError(RuntimeError):
@@ -57,7 +53,6 @@ def start_target_group(
     config: ServeConfig,
     placement_group: PlacementGroup | None,
     first_bundle: int,
-    rank_factory: RankFactory | None = None,
 ) -> "RayTargetGroup":
     """Start `placement.tensor_parallel_size` rank actors in bundles `first_bundle ..` of the group.
 
@@ -65,7 +60,6 @@ def start_target_group(
     """
     placement = config.placement
     world_size = placement.tensor_parallel_size
-    rank_factory = rank_factory or (lambda rank: TargetRankFactory(config.engine, rank))
 
     def in_bundle(rank: int) -> dict[str, Any]:
         if placement_group is None:
@@ -83,7 +77,7 @@ def start_target_group(
             num_gpus=resources.num_gpus,
             resources=dict(resources.resources),
             **in_bundle(rank),
-        ).remote(rank_factory(RankSpec(rank, world_size, init_method)))
+        ).remote(TargetRankFactory(config.engine, RankSpec(rank, world_size, init_method)))
         for rank in range(world_size)
     ]
     return RayTargetGroup(actors)
