@@ -20,6 +20,7 @@ starts a new group.
 
 import dataclasses
 import socket
+import uuid
 from typing import Any
 
 import ray
@@ -56,10 +57,12 @@ def start_target_group(
 ) -> "RayTargetGroup":
     """Start `placement.tensor_parallel_size` rank actors in bundles `first_bundle ..` of the group.
 
-    Without a placement group (a driver's tests) the ranks go anywhere on the cluster.
+    Without a placement group (a driver's tests) the ranks go anywhere on the cluster. Ranks are
+    named `ddtree-target-<group id>-rank<r>`, so an operator (or a test) can find one.
     """
     placement = config.placement
     world_size = placement.tensor_parallel_size
+    group_id = uuid.uuid4().hex[:8]
 
     def in_bundle(rank: int) -> dict[str, Any]:
         if placement_group is None:
@@ -76,6 +79,7 @@ def start_target_group(
             num_cpus=resources.num_cpus,
             num_gpus=resources.num_gpus,
             resources=dict(resources.resources),
+            name=f"ddtree-target-{group_id}-rank{rank}",
             **in_bundle(rank),
         ).remote(TargetRankFactory(config.engine, RankSpec(rank, world_size, init_method)))
         for rank in range(world_size)

@@ -1,11 +1,14 @@
 """The tensor-parallel target group: its placement, a served TP=2 request, and a rank that dies.
 
 The Ray tests share one local cluster (fake GPUs: drafter + two target ranks, gloo on CPU)
-serving the tiny pair through a TP=2 group; the rank-death test starts a second TP=2 group of
-CPU ranks from the driver, behind an in-process engine, and kills one of its ranks mid-request.
+serving the tiny pair through a TP=2 group. One rank-death test starts a second TP=2 group of
+CPU ranks from the driver, behind an in-process engine, and kills one of its ranks mid-request;
+the last test kills a rank of the served group mid-stream and waits for Serve to replace it.
 """
 
 import asyncio
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,3 +172,42 @@ def test_a_rank_that_dies_takes_its_group_down_with_a_clear_error(cluster: Serve
     finally:
         llm.shutdown()
         group.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_served_group_whose_rank_dies_fails_the_stream_in_flight_and_serve_restarts_it(
+    cluster: ServeCluster,
+) -> None:
+    """Runs last: it takes the module's served group down and waits for its replacement."""
+    url = f"{cluster.http_url}/v1/completions"
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True}
+    old_ranks = _served_rank_names()
+    assert len(old_ranks) == 2
+    events = []
+    with httpx.stream("POST", url, json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 1:
+                    name, namespace = old_ranks[1]
+                    ray.kill(ray.get_actor(name, namespace=namespace))
+    assert "target rank" in events[-1]["error"]["message"], events[-1]
+    assert "choices" in events[0]  # the stream had started: the error reached a request in flight
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # Serve replaces the replica: a new group, new ranks
+        new_ranks = _served_rank_names()
+        healthy = httpx.get(f"{cluster.http_url}/health", timeout=10).status_code == 200
+        if healthy and len(new_ranks) == 2 and not set(new_ranks) & set(old_ranks):
+            break
+        time.sleep(1.0)
+    else:
+        pytest.fail("the group was not restarted")
+    response = httpx.post(url, json={**body, "stream": False, "max_tokens": 8}, timeout=120)
+    assert response.status_code == 200, response.text
+
+
+def _served_rank_names() -> list[tuple[str, str]]:
+    """(name, namespace) of the live rank actors of the served group, rank order."""
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return sorted((a["name"], a["namespace"]) for a in actors if a["name"].startswith("ddtree-target-"))
