@@ -7,10 +7,15 @@ verify step) and where a step's time goes:
 
     schedule / draft (draft_forward inside) / build / verify (target_forward inside) / append
 
-`overhead` is the share of a step spent outside the two forward passes (tree build, buffers,
-verification walk, KV compaction, bookkeeping). Prefill is timed apart and excluded from
-steps. The reference every ratio is taken against is HF transformers' own greedy decoding of
-the same target (`AutoModelForCausalLM.generate`, SDPA attention, the same prompts and new
+Two passes per config, so timing never changes what it measures: tokens/s, tau and `step ms`
+come from a pass with stage timing off (wall time of whole runs, prefill included, over the
+steps); the stage columns come from a second, timed pass, where on CUDA each stage is the span
+between CUDA events recorded at its start and end (no synchronize), on a CPU its wall clock.
+`overhead` is the share of a (timed) step spent outside the two forward passes (tree build,
+buffers, verification walk, KV compaction, bookkeeping). `--tree-builders host,device` adds
+the device tree build (one sync per step) as a dimension next to the default host build.
+The reference every ratio is taken against is HF transformers' own greedy decoding of the same
+target (`AutoModelForCausalLM.generate`, SDPA attention, the same prompts and new
 tokens, batches left-padded), timed in the same run. Results go to bench/out/speed.{md,json,png}.
 
     python bench/speed.py                                    # bundled pair, CPU
@@ -22,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +40,7 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.engine.timing import MODEL_STAGES, STEP_STAGES, Stage
+from ddtree_serve.engine.tree_builder import TreeBuilder
 from ddtree_serve.models import load_tokenizer
 
 # Openings in the style of the standard library the bundled pair was trained on (written for
@@ -68,6 +75,7 @@ class Result:
     mode: str  # "hf" for the transformers baseline
     budget: int
     graphs: bool
+    tree_builder: str  # "host" (the default) or "device"
     batch_size: int
     temperature: float
     num_tokens: int
@@ -75,13 +83,14 @@ class Result:
     tokens_per_s: float
     acceptance_length: float
     steps: int
-    step_ms: float  # mean wall time of one step (prefill excluded)
-    stage_ms: dict[str, float]  # per step
-    overhead: float  # share of the step outside draft_forward + target_forward
+    step_ms: float  # wall time of the untimed pass over its steps (prefill included)
+    stage_ms: dict[str, float]  # per step, from the timed pass (CUDA events on CUDA)
+    overhead: float  # share of the timed step outside draft_forward + target_forward
 
     @property
     def label(self) -> str:
-        return self.mode if self.mode != "ddtree" else f"ddtree-{self.budget}"
+        label = self.mode if self.mode != "ddtree" else f"ddtree-{self.budget}"
+        return label if self.tree_builder == "host" else f"{label} (device build)"
 
 
 class Workers:
@@ -99,14 +108,19 @@ class Workers:
             record_timings=True,
             enforce_eager=not graphs,
         )
-        self.timer = stage_timer(config)
+        self.timer = stage_timer(config)  # switched on for the timed passes only
         self.drafter = build_draft_step(config, self.timer)
         self.target = build_target_step(config, self.timer)
         self.tokenizer = load_tokenizer(target_dir(config))
         self.max_seq_len = max_seq_len
         self.graphs = graphs
 
-    def engine(self, mode: str, budget: int, batch_size: int) -> SpecEngine:
+        self.tree_builders = {
+            name: TreeBuilder(name, capture=graphs)  # type: ignore[arg-type]
+            for name in ("host", "device")
+        }
+
+    def engine(self, mode: str, budget: int, batch_size: int, tree_builder: str = "host") -> SpecEngine:
         settings = EngineSettings(
             mode=mode,  # type: ignore[arg-type]
             budget=budget,
@@ -115,7 +129,9 @@ class Workers:
             max_seq_len=self.max_seq_len,
             record_timings=True,
         )
-        return SpecEngine(settings, self.target, self.drafter, self.tokenizer, self.timer)
+        return SpecEngine(
+            settings, self.target, self.drafter, self.tokenizer, self.timer, self.tree_builders[tree_builder]
+        )
 
 
 @dataclass
@@ -127,7 +143,8 @@ class Totals:
     step_tokens: float = 0.0  # tokens produced by verify steps, before stop truncation
     request_steps: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    steps: int = 0
+    timed_steps: int = 0  # steps of the timed passes
+    steps: int = 0  # steps of the untimed passes
     token_ids: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> new tokens
 
 
@@ -191,50 +208,74 @@ def _synchronize(device: str) -> None:
 
 
 def run_once(
-    workers: Workers, mode: str, budget: int, batch_size: int, temperature: float, args, totals: Totals
+    workers: Workers,
+    mode: str,
+    budget: int,
+    tree_builder: str,
+    batch_size: int,
+    temperature: float,
+    args,
+    totals: Totals,
 ):
-    """Warm up, then generate every prompt once and add the measurements to `totals`."""
+    """Warm up, then generate every prompt twice (untimed, then timed) and add to `totals`."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(batch_size, args.num_prompts))]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0, ignore_eos=True)
-    warmup = workers.engine(mode, budget, batch_size)
+    warmup = workers.engine(mode, budget, batch_size, tree_builder)
     for i in range(batch_size):
         warmup.add_request(
             f"w{i}", prompts[i], SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True)
         )
+    workers.timer.enabled = False
     _drain(warmup)
 
-    engine = workers.engine(mode, budget, batch_size)
+    engine = workers.engine(mode, budget, batch_size, tree_builder)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    workers.timer.reset()
+    _synchronize(args.device)
     start = time.perf_counter()
-    finals = _drain(engine)
+    finals, num_steps = _drain(engine)
+    _synchronize(args.device)
     totals.seconds += time.perf_counter() - start
+    totals.steps += num_steps
     totals.num_tokens += sum(len(f.token_ids) for f in finals)
     totals.step_tokens += sum(f.stats.acceptance_length * f.stats.steps for f in finals)
     totals.request_steps += sum(f.stats.steps for f in finals)
-    totals.steps += workers.timer.counts["verify"]
+    totals.token_ids.update({int(f.request_id): list(f.token_ids) for f in finals})
+
+    timed = workers.engine(mode, budget, batch_size, tree_builder)
+    for i, prompt in enumerate(prompts):
+        timed.add_request(str(i), prompt, params)
+    workers.timer.reset()
+    workers.timer.enabled = True
+    _drain(timed)
+    workers.timer.enabled = False
+    totals.timed_steps += workers.timer.counts["verify"]
     for name, seconds in workers.timer.seconds.items():
         totals.stage_seconds[name] += seconds
-    totals.token_ids.update({int(f.request_id): list(f.token_ids) for f in finals})
 
 
 def summarize(
-    mode: str, budget: int, graphs: bool, batch_size: int, temperature: float, totals: Totals
+    mode: str,
+    budget: int,
+    graphs: bool,
+    tree_builder: str,
+    batch_size: int,
+    temperature: float,
+    totals: Totals,
 ) -> Result:
     steps = totals.steps
+    timed_steps = max(totals.timed_steps, 1)
     stage_ms = {
-        name: 1e3 * totals.stage_seconds.get(name, 0.0) / steps
+        name: 1e3 * totals.stage_seconds.get(name, 0.0) / timed_steps
         for name in (*STEP_TIME_STAGES, *MODEL_STAGES, Stage.PREFILL)
     }
-    step_ms = sum(stage_ms[name] for name in STEP_TIME_STAGES)
-    if mode == "hf":  # whole generate calls: no stages, every step one forward
-        step_ms = 1e3 * totals.seconds / steps
+    timed_step_ms = sum(stage_ms[name] for name in STEP_TIME_STAGES)
     forward_ms = stage_ms["draft_forward"] + stage_ms["target_forward"]
     return Result(
         mode=mode,
         budget=budget,
         graphs=graphs,
+        tree_builder=tree_builder,
         batch_size=batch_size,
         temperature=temperature,
         num_tokens=totals.num_tokens,
@@ -242,14 +283,15 @@ def summarize(
         tokens_per_s=totals.num_tokens / totals.seconds,
         acceptance_length=totals.step_tokens / totals.request_steps,
         steps=steps,
-        step_ms=step_ms,
+        step_ms=1e3 * totals.seconds / steps,
         stage_ms=stage_ms,
-        overhead=0.0 if mode == "hf" else 1.0 - forward_ms / step_ms,
+        overhead=0.0 if mode == "hf" else 1.0 - forward_ms / timed_step_ms,
     )
 
 
 def profile_steps(workers: Workers, budget: int, temperature: float, num_steps: int = 20) -> None:
-    """Operator-level table of `num_steps` ddtree steps at batch 1 (where the time goes).
+    """Operator-level table of `num_steps` ddtree steps at batch 1 (where the time goes), and on
+    CUDA the synchronizing calls per step (torch's sync debug mode, counted outside the profile).
 
     With CUDA graphs the device side still lists a replay's kernels one by one; on the host
     side a replay is one `cudaGraphLaunch`.
@@ -259,33 +301,49 @@ def profile_steps(workers: Workers, budget: int, temperature: float, num_steps: 
     engine.add_request("profile", PROMPTS[0], params)
     for _ in range(3):
         engine.step()
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(num_steps):
+                engine.step()
+        torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchronizing" in str(w.message) for w in caught)
+        print(f"\nsynchronizing CUDA calls per ddtree-{budget} step: {syncs / num_steps:.2f}")
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    if on_cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(num_steps):
             engine.step()
     engine.abort_request("profile")
     engine.step()
-    sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    sort_by = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
     graphs = "graphs" if workers.graphs else "eager"
     print(f"\nprofile: ddtree-{budget} ({graphs}), batch 1, T={temperature:g}, {num_steps} steps")
     print(profiler.key_averages().table(sort_by=sort_by, row_limit=25))
     print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
-def _drain(engine: SpecEngine) -> list:
-    finals = []
+def _drain(engine: SpecEngine) -> tuple[list, int]:
+    """Step until idle -> (final outputs, steps taken)."""
+    finals, num_steps = [], 0
     while engine.has_unfinished_requests():
         finals.extend(o for o in engine.step() if o.finished)
-    return finals
+        num_steps += 1
+    return finals, num_steps
 
 
 def markdown_table(results: list[Result], device: str) -> str:
     """One row per config: `vs hf` against HF's greedy loop at the same batch size, `vs ar`
     against our plain decoding with the same graphs setting and temperature."""
+    stage_clock = "wall clock" if device.startswith("cpu") else "CUDA events"
     lines = [
         f"device: {device}",
+        "",
+        "tok/s, tau and step ms: untimed pass (wall time of whole runs over their steps); "
+        f"draft .. overhead: a second, timed pass ({stage_clock} per stage, no syncs added), ms per step.",
         "",
         "| batch | temp | config | graphs | tok/s | vs hf | vs ar | tau | step ms "
         "| draft | build | verify | append | fwd d/t | overhead |",
@@ -380,6 +438,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="prompts per run (at least the batch size; default %(default)s)",
     )
     parser.add_argument(
+        "--tree-builders",
+        default="host",
+        help="comma-separated: host, device (where the draft lies) (default %(default)s)",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=2, help="rounds over all configs, interleaved (default %(default)s)"
     )
     parser.add_argument(
@@ -421,10 +484,12 @@ def main(argv: list[str] | None = None) -> int:
     max_seq_len = longest_prompt + args.max_tokens + max(budgets) + 16
     workers = {g: Workers(args, max(batch_sizes), max_seq_len, g) for g in graph_settings[args.graphs]}
     hf = HFBaseline(target_dir(EngineConfig(target=args.target)), args.device, getattr(torch, args.dtype))
+    tree_builders = args.tree_builders.split(",")
     configs = [
-        (mode, budget, g)
+        (mode, budget, g, tree_builder)
         for g in workers
         for mode, budget in [("ar", 1), ("chain", 1), *(("ddtree", b) for b in budgets)]
+        for tree_builder in (tree_builders if mode != "ar" else ["host"])
     ]
     device = torch.cuda.get_device_name() if on_cuda else f"cpu ({torch.get_num_threads()} threads)"
     tokenizer = next(iter(workers.values())).tokenizer
@@ -439,12 +504,13 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 if temperature == temperatures[0]:
                     run_hf_once(hf, tokenizer, batch_size, args, hf_totals)
-                for mode, budget, g in configs:
+                for config in configs:
+                    mode, budget, g, tree_builder = config
                     run_once(
-                        workers[g], mode, budget, batch_size, temperature, args, totals[(mode, budget, g)]
+                        workers[g], mode, budget, tree_builder, batch_size, temperature, args, totals[config]
                     )
-            for (mode, budget, g), config_totals in totals.items():
-                result = summarize(mode, budget, g, batch_size, temperature, config_totals)
+            for (mode, budget, g, tree_builder), config_totals in totals.items():
+                result = summarize(mode, budget, g, tree_builder, batch_size, temperature, config_totals)
                 batch_results.append(result)
                 print(
                     f"batch {batch_size} T={temperature:g} {result.label:>10} {'graphs' if g else 'eager'}: "
@@ -457,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                     check = f"{same}/{len(hf_totals.token_ids)} prompts"
                     greedy_checks[f"batch {batch_size}, graphs {'on' if g else 'off'}"] = check
                     print(f"  ours ar (greedy) emits HF's greedy tokens on {check}", flush=True)
-        hf_result = summarize("hf", 0, False, batch_size, 0.0, hf_totals)
+        hf_result = summarize("hf", 0, False, "host", batch_size, 0.0, hf_totals)
         print(f"batch {batch_size} hf transformers: {hf_result.tokens_per_s:8.1f} tok/s", flush=True)
         results += [hf_result, *batch_results]
     if args.profile:

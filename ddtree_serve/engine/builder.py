@@ -1,15 +1,13 @@
 """The one model builder: an `EngineConfig` in, the target and draft steps out.
 
 Only here does the code know where the model directories are, which target layers feed the
-drafter, which verify backend runs, and how the step timer syncs. `build_local_engine` (for
+drafter, which verify backend runs, and how the step timer reads the device. `build_local_engine` (for
 `LLM`, the CLI and the benches) and the Ray workers (through the picklable factories) both
 build through it, so each model loads one way.
 """
 
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.draft_step import DraftStep
@@ -54,9 +52,8 @@ def resolve_verify_backend(name: str, device: str) -> str:
 
 
 def stage_timer(config: EngineConfig) -> StageTimer:
-    """The step timer: on when `record_timings`, syncing CUDA so GPU work lands in its stage."""
-    synchronize = torch.cuda.synchronize if config.device.startswith("cuda") else None
-    return StageTimer(enabled=config.record_timings, synchronize=synchronize)
+    """The step timer: on when `record_timings`; CUDA events on CUDA (no syncs added)."""
+    return StageTimer(enabled=config.record_timings, cuda_events=config.device.startswith("cuda"))
 
 
 def build_target_step(

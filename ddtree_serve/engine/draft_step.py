@@ -1,8 +1,10 @@
 """`DraftStep`: the drafter's half of a decoding step, whichever transport calls it.
 
 It owns a `DFlashDrafter`: appends each slot's new context features, drafts the next block
-and returns its top-K on the host in one copy. In process the engine calls it directly; over
-Ray a `DrafterWorker` holds one and adds only transport. It reads context handles made by
+and returns its top-K where the drafter runs (no copy here: the engine's tree builder takes
+it to the host in one copy or builds where it lies; over Ray the transport moves it). In
+process the engine calls it directly; over Ray a `DrafterWorker` holds one and adds only
+transport. It reads context handles made by
 `TargetStep` (lists of tensors, one per request).
 """
 
@@ -17,7 +19,7 @@ from ddtree_serve.tree import draft_topk
 
 
 class DraftStep:
-    """`Drafter` over a `DFlashDrafter` in this process; returns top-K on the host."""
+    """`Drafter` over a `DFlashDrafter` in this process; returns top-K on the drafter's device."""
 
     def __init__(self, drafter: DFlashDrafter, timer: StageTimer | None = None) -> None:
         self.drafter = drafter
@@ -33,11 +35,9 @@ class DraftStep:
         with self.timer.stage(Stage.DRAFT_FORWARD):
             logits = self.drafter.draft(slots, inputs.bonus_tokens, new_context)  # [B, L, V]
         logp, ids = draft_topk(logits, inputs.top_k)  # [B, L, K]
-        packed = torch.cat([logp, ids.to(logp.dtype)], dim=-1).cpu()  # one copy; ids < 2^24 exact
-        k = logp.shape[-1]
         return DraftOutput(
-            logp=packed[..., :k].contiguous(),
-            ids=packed[..., k:].long(),
+            logp=logp,
+            ids=ids,
             num_context_tokens=tuple(self.drafter.context_len(slot) for slot in slots),
         )
 

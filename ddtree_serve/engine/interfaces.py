@@ -17,12 +17,16 @@ an `ObjectRef` that the coordinator never pulls.
 Per step, for the running requests in slots `slots` (batch order fixed by the engine):
 
     draft   = drafter.draft(DraftInput(slots, bonus_tokens, contexts, top_k))  # not in mode "ar"
-    trees   = build_ddtree / build_chain on draft.logp, draft.ids  (engine, host side)
-    verdict = target.verify_and_commit(VerifyInput(slots, build_verify_batch(trees), ...))
+    trees   = TreeBuilder.build(draft.logp, draft.ids, ...)  (engine: host, or draft's device)
+    verdict = target.verify_and_commit(VerifyInput(slots, trees.batch, ...))
     # verdict.context -> ContextSlice(verdict.context, i) joins request i's next drafter context
 
-All tensors returned across the seam are on the CPU (the engine does host-side bookkeeping on
-them); tensors passed in are CPU tensors that the implementation moves to its device.
+Where tensors lie: the draft's top-K stays on the drafter's device. The engine's tree builder
+copies it to the host in one copy and builds there (the default), or, in process, builds on
+that device and hands the target a device batch, so nothing between the draft and the verify
+forward waits for the host; over Ray the transport brings it to the host. Everything the target returns is
+on the CPU, in one device -> host copy per call: the engine's bookkeeping reads it. Other
+tensors passed in are CPU tensors that the implementation moves to its device.
 """
 
 from collections.abc import Sequence
@@ -107,8 +111,10 @@ class DraftInput:
 class DraftOutput:
     """Top-K drafter proposals for the `L = block_size - 1` positions after each bonus token."""
 
-    logp: torch.Tensor  # [B, L, K] float32, CPU; log-probs over the full vocab, descending in K
-    ids: torch.Tensor  # [B, L, K] int64, CPU; token id of each (position, rank)
+    # [B, L, K] float32 on the drafter's device (CPU over Ray); log-probs over the full vocab,
+    # descending in K
+    logp: torch.Tensor
+    ids: torch.Tensor  # [B, L, K] int64, where `logp` lies; token id of each (position, rank)
     # [B] context tokens each slot holds after taking its new context; the engine checks that
     # they equal the target's cached tokens (the drafter sees exactly the committed text)
     num_context_tokens: tuple[int, ...]
@@ -119,7 +125,7 @@ class VerifyInput:
     """One tree per slot to verify on top of its cache, with the coins of the sampling walk."""
 
     slots: Sequence[int]  # [B]; each tree's root sits at the slot's current cache length
-    batch: "VerifyBatch"  # rows follow `slots`
+    batch: "VerifyBatch"  # rows follow `slots`; on the host or the target's device
     sampling: SamplingBatch
     # coins [B, N] and coin_final [B]: float32 uniform draws in [0, 1) for the sampling
     # verification; None when `sampling.all_greedy`
@@ -137,6 +143,9 @@ class VerifyOutput:
     """
 
     accept_index: torch.Tensor  # [B, D+1] int64, CPU; local node indices, root first, -1 padded
+    # [B, D+1] int64, CPU; the tree token of each accept_index entry (entries past
+    # 1 + accept_len are meaningless), so the engine needs no host copy of the trees
+    accept_tokens: torch.Tensor
     accept_len: torch.Tensor  # [B] int64, CPU; accepted draft nodes, root excluded
     bonus_token: torch.Tensor  # [B] int64, CPU; next root, not yet in the target's cache
     num_cached_tokens: tuple[int, ...]  # [B] the slots' cache lengths after the commit

@@ -14,7 +14,6 @@ draft verifies root-only trees, and the drafter later takes every context slice 
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -43,7 +42,8 @@ from ddtree_serve.engine.scheduler import ScheduledStep, Scheduler
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.stop import StopChecker
 from ddtree_serve.engine.timing import Stage, StageTimer
-from ddtree_serve.tree import DraftTree, VerifyBatch, build_chain, build_ddtree, build_verify_batch
+from ddtree_serve.engine.tree_builder import BuiltTrees, TreeBuilder
+from ddtree_serve.tree import build_verify_batch
 
 
 class SpecEngine:
@@ -56,7 +56,10 @@ class SpecEngine:
         drafter: Drafter | None,
         tokenizer: Tokenizer,
         timer: StageTimer | None = None,
+        tree_builder: TreeBuilder | None = None,
     ) -> None:
+        """`tree_builder`: where the build stage runs (default: the host; `TreeBuilder("device")`
+        builds where the draft lies)."""
         if settings.mode != "ar" and drafter is None:
             raise ValueError(f"mode {settings.mode!r} needs a drafter")
         self.settings = settings
@@ -64,6 +67,7 @@ class SpecEngine:
         self.drafter = drafter if settings.mode != "ar" else None
         self.tokenizer = tokenizer
         self.timer = timer or StageTimer(enabled=settings.record_timings)
+        self.tree_builder = tree_builder or TreeBuilder()
         self.vocab_size = target.vocab_size
         self.block_size = 1 if self.drafter is None else self.drafter.block_size
         # Cache rows one step's padded tree may take past the cached prefix (root included).
@@ -153,9 +157,9 @@ class SpecEngine:
             with self.timer.stage(Stage.DRAFT):
                 draft = self._draft(running)
             with self.timer.stage(Stage.BUILD):
-                trees, batch = self._build(running, draft)
+                trees = self._build(running, draft)
             with self.timer.stage(Stage.VERIFY):
-                verdict = self._verify(running, batch)
+                verdict = self._verify(running, trees)
             with self.timer.stage(Stage.APPEND):
                 self._append(running, trees, verdict)
         return self._postprocess(scheduled)
@@ -197,36 +201,33 @@ class SpecEngine:
         _check_positions(requests, draft.num_context_tokens)
         return draft
 
-    def _build(
-        self, requests: list[Request], draft: DraftOutput | None
-    ) -> tuple[list[DraftTree], VerifyBatch]:
-        """Host side: one tree per request from its draft, then the padded verify batch."""
-        trees: list[DraftTree] = []
-        if draft is None:
-            trees = [build_chain(np.empty(0, dtype=np.int64), _bonus(r)) for r in requests]
-        elif self.settings.mode == "chain":
-            ids, logp = draft.ids[:, :, 0].numpy(), draft.logp[:, :, 0].numpy()  # [B, L]
-            trees = [build_chain(ids[i], _bonus(r), logp[i]) for i, r in enumerate(requests)]
-        else:
-            ids, logp = draft.ids.numpy(), draft.logp.numpy()  # [B, L, K]
-            for i, request in enumerate(requests):
-                k = self._top_k(request)
-                trees.append(
-                    build_ddtree(logp[i, :, :k], ids[i, :, :k], self._budget(request), _bonus(request))
-                )
-            if self.budget_policy is not None:
-                allocation = self.budget_policy.choose(trees, [self._budget(r) for r in requests])
-                trees = [tree_prefix(t, n) for t, n in zip(trees, allocation.num_nodes, strict=True)]
-        return trees, build_verify_batch(trees)
+    def _build(self, requests: list[Request], draft: DraftOutput | None) -> BuiltTrees:
+        """One tree per request from its draft, padded into the verify batch (host or device).
 
-    def _verify(self, requests: list[Request], batch: VerifyBatch) -> VerifyOutput:
+        With the adaptive policy each host tree, built at its ceiling, is cut to the best-first
+        prefix the policy allocates (a prefix of a best-first tree is itself a DDTree)."""
+        built = self.tree_builder.build(
+            None if draft is None else draft.logp,
+            None if draft is None else draft.ids,
+            [self._budget(r) for r in requests],
+            [_bonus(r) for r in requests],
+            chain=self.settings.mode == "chain",
+        )
+        if self.budget_policy is None or draft is None:
+            return built
+        assert built.trees is not None, "the adaptive budget allocates over host-built trees"
+        allocation = self.budget_policy.choose(built.trees, [self._budget(r) for r in requests])
+        trees = [tree_prefix(t, n) for t, n in zip(built.trees, allocation.num_nodes, strict=True)]
+        return BuiltTrees(build_verify_batch(trees), [t.num_nodes for t in trees], trees)
+
+    def _verify(self, requests: list[Request], trees: BuiltTrees) -> VerifyOutput:
         """One target call: forward over every tree, accept a path, commit its KV."""
         sampling = _sampling_batch([r.params for r in requests], self.vocab_size)
         coins = coin_final = None
         if not sampling.all_greedy:
             # Per request: one coin per real node then the final coin, all from its generator,
             # so a seeded request draws the same coins whatever batch it runs in.
-            num_nodes = batch.num_nodes.tolist()
+            batch, num_nodes = trees.batch, trees.num_nodes
             coins = torch.zeros(batch.batch_size, batch.padded_num_nodes, dtype=torch.float32)
             coin_final = torch.zeros(batch.batch_size, dtype=torch.float32)
             for i, request in enumerate(requests):
@@ -237,7 +238,7 @@ class SpecEngine:
                 coin_final[i] = draws[-1]
         inputs = VerifyInput(
             [_slot(r) for r in requests],
-            batch,
+            trees.batch,
             sampling,
             coins,
             coin_final,
@@ -249,17 +250,18 @@ class SpecEngine:
             self.budget_policy.record_verify_ms(1000.0 * (time.perf_counter() - started))
         return verdict
 
-    def _append(self, requests: list[Request], trees: list[DraftTree], verdict: VerifyOutput) -> None:
+    def _append(self, requests: list[Request], trees: BuiltTrees, verdict: VerifyOutput) -> None:
         """Append each request's accepted tokens and bonus; stops drop what follows them."""
-        accept_index = verdict.accept_index.tolist()
+        accept_tokens = verdict.accept_tokens.tolist()
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
-        if self.budget_policy is not None:
-            self.budget_policy.observe(trees, [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)])
+        if self.budget_policy is not None and trees.trees is not None:
+            accept_index = verdict.accept_index.tolist()
+            accepted = [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)]
+            self.budget_policy.observe(trees.trees, accepted)
         for i, request in enumerate(requests):
             request.num_cached_tokens = verdict.num_cached_tokens[i]
-            accepted_nodes = accept_index[i][1 : 1 + accept_len[i]]
-            new_tokens = [*trees[i].token_ids[accepted_nodes].tolist(), bonus_tokens[i]]
+            new_tokens = [*accept_tokens[i][1 : 1 + accept_len[i]], bonus_tokens[i]]
             request.steps += 1
             request.num_step_tokens += len(new_tokens)
             request.bonus_token = bonus_tokens[i]

@@ -1,9 +1,11 @@
 """`TargetStep`: the target's half of a decoding step, whichever transport calls it.
 
 It owns a `TargetRunner` and does everything the target does in a step: prefill the newcomers
-and sample their first token; run the verify forward over the trees, walk them (greedy on the
-host, or the lossless sampling walk on the device with the backend chosen at build time),
-commit the accepted KV entries and gather the accepted nodes' features for the drafter.
+and sample their first token; run the verify forward over the trees, walk them (greedy with
+the backend chosen at build time: "device" on CUDA, "host" on a CPU; or the lossless sampling
+walk with its backend), gather the accepted nodes' features for the drafter and compact the
+accepted KV entries. On CUDA the walk, the gather and the compaction take device indices, so
+the step reads the device once: one small copy of the accepted path, its tokens and the bonus.
 In process the engine calls it directly; over Ray a `TargetWorker` holds one and adds only
 transport. Context handles it produces are lists of device tensors, one per request.
 """
@@ -26,14 +28,25 @@ from ddtree_serve.verify import VerifyResult, get_greedy_backend, target_probs, 
 class TargetStep:
     """`Target` over a `TargetRunner` in this process."""
 
-    def __init__(self, runner: TargetRunner, verify_backend: str, timer: StageTimer | None = None) -> None:
-        """`verify_backend`: a sampling verification backend that is available here (resolved)."""
+    def __init__(
+        self,
+        runner: TargetRunner,
+        verify_backend: str,
+        timer: StageTimer | None = None,
+        greedy_backend: str | None = None,
+    ) -> None:
+        """`verify_backend`: a sampling verification backend that is available here (resolved).
+
+        `greedy_backend` (None: "device" on CUDA, where it needs no sync; "host" on a CPU, where
+        a few dozen Python steps beat the batched ops at these sizes).
+        """
         self.runner = runner
         self.verify_backend = verify_backend
-        # The greedy walk runs on the host: one [B, N] argmax copy, no per-level device syncs.
-        self._greedy_walk = get_greedy_backend("host")
-        self.timer = timer or StageTimer()
         self.device = runner.device
+        if greedy_backend is None:
+            greedy_backend = "device" if self.device.type == "cuda" else "host"
+        self._greedy_walk = get_greedy_backend(greedy_backend)
+        self.timer = timer or StageTimer()
 
     @property
     def vocab_size(self) -> int:
@@ -68,31 +81,37 @@ class TargetStep:
         )
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
-        slots, batch, sampling = list(inputs.slots), inputs.batch, inputs.sampling
-        device_batch = batch.to(self.device)
+        slots, sampling = list(inputs.slots), inputs.sampling
+        batch = inputs.batch.to(self.device, non_blocking=True)  # no copy when built here
         with self.timer.stage(Stage.TARGET_FORWARD):
-            logits, features = self.runner.verify(slots, device_batch)  # [B, N, V], [B, N, F]
+            logits, features = self.runner.verify(slots, batch)  # [B, N, V], [B, N, F]
         if sampling.all_greedy:
-            # One [B, N] copy to the host, then the walk there (no per-level device syncs).
-            accept_index, accept_len, bonus = self._greedy_walk(batch, logits.argmax(dim=-1).cpu())
+            accept_index, accept_len, bonus = self._greedy_walk(batch, logits.argmax(dim=-1))
         else:
             assert inputs.coins is not None and inputs.coin_final is not None, "sampling needs coins"
-            result = self._verify_sampling(device_batch, logits, sampling, inputs.coins, inputs.coin_final)
-            # One device -> host copy for all small results.
-            packed = torch.cat(
-                [result.accept_index, result.accept_len.view(-1, 1), result.bonus_token.view(-1, 1)], dim=1
-            ).cpu()  # [B, D+3]
-            accept_index, accept_len, bonus = packed[:, :-2], packed[:, -2], packed[:, -1]
-        num_cached_tokens = self.runner.commit(slots, accept_index)  # host indices: no sync
-        context = None
-        if inputs.return_context:
-            context = _accepted_features(features, accept_index, accept_len)
+            result = self._verify_sampling(batch, logits, sampling, inputs.coins, inputs.coin_final)
+            accept_index, accept_len, bonus = result.accept_index, result.accept_len, result.bonus_token
+        # [B, D+1] and [B]; a host walk's results go back to the device of the tokens and KV
+        accept_index, accept_len, bonus = (t.to(self.device) for t in (accept_index, accept_len, bonus))
+        accept_tokens = batch.tokens.gather(1, accept_index.clamp(min=0))
+        gathered = _gather_accepted(features, accept_index) if inputs.return_context else None
+        # The step's one device -> host copy: everything the engine's bookkeeping reads.
+        packed = torch.cat(
+            [accept_index, accept_tokens, accept_len.view(-1, 1), bonus.view(-1, 1)], dim=1
+        ).cpu()  # [B, 2 (D+1) + 2]
+        width = accept_index.shape[1]
+        accept_len_cpu = packed[:, -2]
+        num_kept = (accept_len_cpu + 1).tolist()
+        # Queued after the copy, with device indices: the device compacts while the host appends.
+        num_cached_tokens = self.runner.commit(slots, accept_index, num_kept)
         return VerifyOutput(
-            accept_index=accept_index,
-            accept_len=accept_len,
-            bonus_token=bonus,
+            accept_index=packed[:, :width],
+            accept_tokens=packed[:, width : 2 * width],
+            accept_len=accept_len_cpu,
+            bonus_token=packed[:, -1],
             num_cached_tokens=tuple(num_cached_tokens),
-            context=context,
+            # per request: its root's and accepted nodes' features, [1 + accept_len_b, F] views
+            context=None if gathered is None else [gathered[b, :n] for b, n in enumerate(num_kept)],
         )
 
     def release(self, slot: int) -> None:
@@ -113,18 +132,14 @@ class TargetStep:
         )
 
 
-def _accepted_features(
-    features: torch.Tensor, accept_index: torch.Tensor, accept_len: torch.Tensor
-) -> list[torch.Tensor]:
-    """Per request, the features of its root and accepted nodes, in path order: `[n_b, F]` views.
+def _gather_accepted(features: torch.Tensor, accept_index: torch.Tensor) -> torch.Tensor:
+    """The features of every accept_index entry, gathered with device indices: `[B, D+1, F]`.
 
-    `features [B, N, F]` on the device; `accept_index [B, D+1]`, `accept_len [B]` on the host.
-    One gather for the batch, then views split by length (no kernel per request).
+    `features [B, N, F]` and `accept_index [B, D+1]` on the device; one gather for the batch,
+    no sync. Entries past a row's path hold the root's features; the caller cuts them off.
     """
-    batch_size, num_nodes, _ = features.shape
-    lengths = (accept_len + 1).tolist()
-    rows = torch.arange(batch_size).view(-1, 1) * num_nodes + accept_index  # [B, D+1] flat rows
-    keep = torch.arange(accept_index.shape[1]).view(1, -1) < (accept_len + 1).view(-1, 1)
-    flat_rows = rows[keep].to(features.device)  # [sum n_b], path order per row
-    gathered = features.reshape(batch_size * num_nodes, -1).index_select(0, flat_rows)  # [sum n_b, F]
-    return list(gathered.split(lengths))
+    batch_size, num_nodes, feature_dim = features.shape
+    node_rows = accept_index.clamp(min=0)
+    rows = torch.arange(batch_size, device=features.device).view(-1, 1) * num_nodes + node_rows
+    flat = features.reshape(batch_size * num_nodes, feature_dim).index_select(0, rows.view(-1))
+    return flat.view(*accept_index.shape, feature_dim)

@@ -1,10 +1,18 @@
-"""Opt-in per-stage wall-clock accounting for the step loop (off: one attribute check per stage)."""
+"""Opt-in per-stage time accounting for the step loop (off: one attribute check per stage).
+
+On a CPU a stage's time is its wall clock. On CUDA it is read from CUDA events recorded at
+the stage's start and end on the current stream: the span of the device's timeline between
+them, which charges queued GPU work to the stage that launched it without a synchronize, so
+timing on does not change what it times (the step keeps its one host sync).
+"""
 
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections import defaultdict, deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import StrEnum
+
+import torch
 
 
 class Stage(StrEnum):
@@ -31,36 +39,60 @@ MODEL_STAGES = (Stage.DRAFT_FORWARD, Stage.TARGET_FORWARD)
 
 
 class StageTimer:
-    """Accumulates seconds per stage name when enabled.
+    """Accumulates seconds per stage name when enabled; `cuda_events`: time stages on CUDA.
 
-    `synchronize` (e.g. `torch.cuda.synchronize`) runs before each clock read so GPU work is
-    charged to the stage that launched it; it costs a host sync, which is why timing is opt-in.
+    Event pairs are read when they have completed (checked without waiting at every stage
+    end) or when `seconds` is read, which waits for the last one.
     """
 
-    def __init__(self, enabled: bool = False, synchronize: Callable[[], None] | None = None) -> None:
+    def __init__(self, enabled: bool = False, cuda_events: bool = False) -> None:
         self.enabled = enabled
-        self._synchronize = synchronize
-        self.seconds: dict[str, float] = defaultdict(float)
+        self.cuda_events = cuda_events
+        self._seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
+        self._pending: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        self._collect(wait=True)
+        return self._seconds
 
     @contextmanager
     def stage(self, name: Stage) -> Iterator[None]:
         if not self.enabled:
             yield
             return
-        self._sync()
-        start = time.perf_counter()
+        if self.cuda_events:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending.append((name, start, end))
+                self.counts[name] += 1
+                self._collect(wait=False)
+            return
+        start_s = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
-            self.seconds[name] += time.perf_counter() - start
+            self._seconds[name] += time.perf_counter() - start_s
             self.counts[name] += 1
 
     def reset(self) -> None:
-        self.seconds.clear()
+        self._collect(wait=True)
+        self._seconds.clear()
         self.counts.clear()
 
-    def _sync(self) -> None:
-        if self._synchronize is not None:
-            self._synchronize()
+    def _collect(self, wait: bool) -> None:
+        """Add the completed event pairs, oldest first (all of them after waiting if `wait`)."""
+        while self._pending:
+            name, start, end = self._pending[0]
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                return
+            self._pending.popleft()
+            self._seconds[name] += start.elapsed_time(end) / 1e3

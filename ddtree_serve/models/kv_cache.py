@@ -100,22 +100,30 @@ class SlotKVCache:
         index = slots.index
         return self.keys[layer, index, :num_rows], self.values[layer, index, :num_rows]
 
-    def compact(self, slots: Sequence[int], keep_offsets: torch.Tensor) -> list[int]:
-        """Keep, per slot, the scratch rows `length + keep_offsets[b, j]` (j ascending, -1 = none).
+    def compact(
+        self, slots: Sequence[int], keep_offsets: torch.Tensor, num_kept: Sequence[int] | None = None
+    ) -> list[int]:
+        """Keep, per slot, the scratch rows `length + keep_offsets[b, j]` (-1 = none).
 
-        Kept rows move to `length + j`, contiguous after the committed prefix, for every layer
-        at once (one gather and one scatter); lengths grow by the number kept. Returns the
-        new lengths.
+        `keep_offsets [B, D+1]` int64 on the host or the cache's device, its kept entries first
+        and ascending; `num_kept[b]` is row b's count of kept entries (None: counted here,
+        which reads device offsets back to the host). Kept rows move to `length + j`,
+        contiguous after the committed prefix, for every layer at once (one gather and one
+        scatter over the whole [B, D+1] grid, so device offsets cost no sync: a dropped entry
+        j >= num_kept copies row `length + j` onto itself, past the new length). Lengths grow
+        by the number kept. Returns the new lengths.
         """
-        offsets = keep_offsets.to("cpu")  # [B, D+1] int64
-        kept = offsets >= 0
-        num_kept = kept.sum(dim=1).tolist()
-        starts = torch.tensor(self.slot_lengths(slots), dtype=torch.int64)[:, None]
-        slot_ids = torch.tensor(list(slots), dtype=torch.int64)[:, None].expand_as(offsets)
-        src = (starts + offsets.clamp(min=0))[kept].to(self.device)
-        dst = (starts + torch.arange(offsets.shape[1])).expand_as(offsets)[kept].to(self.device)
-        rows = slot_ids[kept].to(self.device)
-        moved_keys = self.keys[:, rows, src]  # [layers, M, kv_heads, head_dim], a copy
+        if num_kept is None:
+            num_kept = (keep_offsets >= 0).sum(dim=1).tolist()
+        offsets = keep_offsets.to(self.device, non_blocking=True)  # [B, D+1]
+        width = offsets.shape[1]
+        host = torch.tensor([self.slot_lengths(slots), list(slots)], dtype=torch.int64)
+        starts, rows = host.to(self.device, non_blocking=True)[:, :, None]  # [B, 1] each
+        columns = torch.arange(width, device=self.device)
+        dst = starts + columns  # [B, D+1]
+        src = torch.where(offsets >= 0, starts + offsets, dst)
+        rows = rows.expand(-1, width)
+        moved_keys = self.keys[:, rows, src]  # [layers, B, D+1, kv_heads, head_dim], a copy
         moved_values = self.values[:, rows, src]
         self.keys[:, rows, dst] = moved_keys
         self.values[:, rows, dst] = moved_values

@@ -206,9 +206,13 @@ class TargetRunner:
         )
 
     @torch.inference_mode()
-    def commit(self, slots: Sequence[int], accept_index: torch.Tensor) -> list[int]:
+    def commit(
+        self, slots: Sequence[int], accept_index: torch.Tensor, num_kept: Sequence[int] | None = None
+    ) -> list[int]:
         """Keep the root and the accepted nodes of the last `verify` (`accept_index [B, D+1]`,
-        local node indices, root first, -1 padded); the slots grow by 1 + accept_len.
+        local node indices, root first, -1 padded, on the host or the device); the slots grow
+        by 1 + accept_len. `num_kept[b]` = 1 + accept_len[b] when the caller knows it on the
+        host (then device indices cost no sync).
 
         Returns the slots' new cached lengths."""
-        return self.cache.compact(slots, accept_index)
+        return self.cache.compact(slots, accept_index, num_kept)

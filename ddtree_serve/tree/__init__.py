@@ -2,7 +2,7 @@
 
 from ddtree_serve.tree.buffers import VerifyBatch, build_verify_batch
 from ddtree_serve.tree.ddtree import build_chain, build_ddtree
-from ddtree_serve.tree.device_build import DeviceTreeBatch, build_ddtree_batch
+from ddtree_serve.tree.device_build import DeviceTreeBatch, build_ddtree_batch, num_device_tree_nodes
 from ddtree_serve.tree.draft_tree import DraftTree
 from ddtree_serve.tree.topk import draft_topk
 
@@ -15,4 +15,5 @@ __all__ = [
     "build_ddtree_batch",
     "build_verify_batch",
     "draft_topk",
+    "num_device_tree_nodes",
 ]

@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from ddtree_serve.tree import VerifyBatch
+from ddtree_serve.verify.greedy_device import greedy_walk_on_device
 from ddtree_serve.verify.greedy_host import greedy_walk_on_host
 from ddtree_serve.verify.walk import final_nodes, walk_tree
 
@@ -107,6 +108,7 @@ _LOADERS: dict[str, Callable[[], TreeWalkBackend]] = {
 _GREEDY_LOADERS: dict[str, Callable[[], GreedyWalkBackend]] = {
     "torch": lambda: torch_greedy_walk,
     "host": lambda: greedy_walk_on_host,
+    "device": lambda: greedy_walk_on_device,
 }
 
 

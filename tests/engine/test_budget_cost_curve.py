@@ -1,6 +1,7 @@
 """Cost curves: interpolation, live refresh, the tolerant file loader and start-up measurement."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,3 +117,15 @@ def test_default_buckets_end_at_the_limit():
     assert powers_of_two_upto(33) == [1, 2, 4, 8, 16, 32, 33]
     assert powers_of_two_upto(8) == [1, 2, 4, 8]
     assert powers_of_two_upto(1) == [1]
+
+
+def test_loader_reads_the_kimi_slice_benchmark_file_as_a_whole_forward():
+    """The measured K2.6 slice (per-request tree tokens, ms per layer, scale = layers) loads as
+    target tokens = batch x tree tokens and ms = layers x ms per layer."""
+    path = Path(__file__).parents[2] / "bench" / "costs" / "kimi_k26_slice_h200.json"
+    slice_file = json.loads(path.read_text())
+    curve = load_cost_curve(path)
+    for entry in slice_file["entries"]:
+        batch, tree_tokens = entry["batch"], entry["tree_tokens"]
+        predicted = float(curve.verify_ms(batch, batch * tree_tokens))
+        assert predicted == pytest.approx(slice_file["scale"] * entry["ms_per_layer"], rel=1e-9)

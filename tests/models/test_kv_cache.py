@@ -29,6 +29,18 @@ def test_compact_moves_kept_rows_down_in_every_layer() -> None:
     assert torch.equal(cache.values, -cache.keys)
 
 
+def test_compact_with_given_counts_moves_the_same_rows_and_keeps_rows_below_the_prefix() -> None:
+    """The device path passes the counts it read back with the step's one copy."""
+    counted, given = numbered_cache(), numbered_cache()
+    keep = torch.tensor([[0, 1, 4, -1, -1], [0, -1, -1, -1, -1]])
+    for cache in (counted, given):
+        cache.append([1, 2], [3, 5])
+    prefix = given.keys[:, :, :3].clone()
+    assert counted.compact([1, 2], keep) == given.compact([1, 2], keep, num_kept=[3, 1]) == [6, 6]
+    assert torch.equal(counted.keys, given.keys)
+    assert torch.equal(given.keys[:, :, :3], prefix)  # moves only touch rows past each prefix
+
+
 def test_writer_reads_the_same_rows_for_contiguous_and_gathered_slots() -> None:
     for slots in ([1, 2], [2, 1]):
         cache = numbered_cache()

@@ -1,12 +1,13 @@
-"""The host greedy walk makes exactly the reference `verify_greedy`'s decisions."""
+"""The host and device greedy walks make exactly the reference `verify_greedy`'s decisions."""
 
 import numpy as np
 import pytest
 import torch
 
-from ddtree_serve.tree import build_chain, build_ddtree, build_verify_batch, draft_topk
+from ddtree_serve.tree import build_chain, build_ddtree, build_ddtree_batch, build_verify_batch, draft_topk
 from ddtree_serve.verify import get_greedy_backend, greedy_backend_names, verify_greedy
 from ddtree_serve.verify.backends import torch_greedy_walk
+from ddtree_serve.verify.greedy_device import greedy_walk_on_device
 from ddtree_serve.verify.greedy_host import greedy_walk_on_host
 
 CUDA = torch.cuda.is_available()
@@ -53,10 +54,41 @@ def test_host_walk_matches_reference_on_random_trees():
     assert deepest >= 3  # the rigged logits make the walks go deep
 
 
+def test_device_walk_matches_reference_on_random_trees():
+    rng = np.random.default_rng(2)
+    deepest = 0
+    for batch, logits in random_batches(rng, 40):
+        expected = verify_greedy(batch, logits)
+        accept_index, accept_len, bonus = greedy_walk_on_device(batch, logits.argmax(dim=-1))
+        assert torch.equal(accept_index, expected.accept_index)
+        assert torch.equal(accept_len, expected.accept_len)
+        assert torch.equal(bonus, expected.bonus_token)
+        deepest = max(deepest, int(accept_len.max()))
+    assert deepest >= 3
+
+
+def test_device_walk_matches_reference_on_device_built_trees():
+    """Device-built batches: padded to budget_max + 1, max_depth the static bound."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        batch_size, budget_max = int(rng.integers(1, 5)), int(rng.integers(1, 20))
+        logp, ids = draft_topk(torch.from_numpy(rng.normal(size=(batch_size, 5, VOCAB))).float(), 4)
+        budgets = torch.from_numpy(rng.integers(0, budget_max + 1, size=batch_size))
+        roots = torch.from_numpy(rng.integers(VOCAB, size=batch_size))
+        batch = build_ddtree_batch(logp, ids, budgets, roots, budget_max).verify
+        logits = rigged_logits(batch, rng, p_follow=0.8)
+        expected = verify_greedy(batch, logits)
+        accept_index, accept_len, bonus = greedy_walk_on_device(batch, logits.argmax(dim=-1))
+        assert torch.equal(accept_index, expected.accept_index)
+        assert torch.equal(accept_len, expected.accept_len)
+        assert torch.equal(bonus, expected.bonus_token)
+
+
 def test_registry_resolves_greedy_backends_once_by_name():
-    assert greedy_backend_names() == ["torch", "host"]
+    assert greedy_backend_names() == ["torch", "host", "device"]
     assert get_greedy_backend("torch") is torch_greedy_walk
     assert get_greedy_backend("host") is greedy_walk_on_host
+    assert get_greedy_backend("device") is greedy_walk_on_device
     with pytest.raises(ValueError, match="unknown greedy verify backend"):
         get_greedy_backend("triton")
 

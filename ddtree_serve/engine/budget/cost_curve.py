@@ -13,6 +13,8 @@ File format (JSON; `load_cost_curve`), tolerant of what other benchmarks write:
     {"tokens": [1, 8, 16, 64, 128], "ms": [0.47, 2.0, 3.5, 8.2, 9.9]}           # total tokens only
     {"entries": [{"batch": 1, "tokens": 8, "ms": 2.0}, ...]}  or a bare list of such entries
 
+Entries may give `tree_tokens` (per request; target tokens = batch x tree_tokens) and
+`ms_per_layer` with a top-level `scale` (layers), as `bench/kimi_slice.py` writes them.
 Aliases: "batch_size"/"batch_sizes" for "batch"; "num_tokens"/"n"/"N" for "tokens";
 "step_ms"/"time_ms"/"latency_ms" for "ms". Optional: "draft_ms" (a number, a list aligned with
 "batch", or {"batch": ms}), the drafter's cost per call, default 0; "scale" (a number) multiplies
@@ -29,7 +31,7 @@ import numpy as np
 
 _BATCH_KEYS = ("batch", "batch_size", "batch_sizes")
 _TOKEN_KEYS = ("tokens", "num_tokens", "n", "N")
-_MS_KEYS = ("ms", "step_ms", "time_ms", "latency_ms")
+_MS_KEYS = ("ms", "step_ms", "time_ms", "latency_ms", "ms_per_layer")
 
 
 class CostCurve:
@@ -112,7 +114,7 @@ def load_cost_curve(source: str | Path | Mapping[str, Any] | Sequence[Mapping[st
 
 def _grid_from_entries(entries: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float], np.ndarray]:
     points = [
-        (float(_field(e, _BATCH_KEYS, default=1)), float(_field(e, _TOKEN_KEYS)), float(_field(e, _MS_KEYS)))
+        (float(_field(e, _BATCH_KEYS, default=1)), _entry_tokens(e), float(_field(e, _MS_KEYS)))
         for e in entries
     ]
     if not points:
@@ -125,6 +127,14 @@ def _grid_from_entries(entries: Sequence[Mapping[str, Any]]) -> tuple[list[float
         xs, ys = (np.array(v, dtype=np.float64) for v in zip(*row_points, strict=True))
         grid[row] = _interp_extrapolate(np.array(token_counts), xs, ys)
     return batch_sizes, token_counts, grid
+
+
+def _entry_tokens(entry: Mapping[str, Any]) -> float:
+    """Target tokens of one entry: `tokens` as given, or `tree_tokens` per request (the Kimi slice
+    benchmark's entries) times the batch."""
+    if "tree_tokens" in entry:
+        return float(entry["tree_tokens"]) * float(_field(entry, _BATCH_KEYS, default=1))
+    return float(_field(entry, _TOKEN_KEYS))
 
 
 def _draft_ms(value: Any, batch_sizes: list[float]) -> list[float]:

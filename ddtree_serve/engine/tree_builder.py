@@ -1,0 +1,200 @@
+"""The build stage: each request's draft top-K -> the padded `VerifyBatch` of the step.
+
+Two places to build, one result (the device builder is tested equal to the host one):
+  - host (the default): `build_ddtree` / `build_chain` per request, then `build_verify_batch`.
+    The reference; a CPU and the Ray transport (the coordinator holds CPU tensors) build here;
+  - device: `build_ddtree_batch` for the whole batch where the draft lies (a chain is K = 1
+    with budget L), on CUDA replayed from a CUDA graph per (batch bucket, L, K, budget_max),
+    so between the draft forward and the verify forward nothing waits for the host and the
+    step syncs once.
+Measured on the H200 with the bundled pair (bf16, graphs), the device build costs more than
+the host one plus its copy at every budget and batch: build stage 1.0-2.4 ms against 0.25-0.5
+ms at batch 1, 1.1-3.9 ms against 0.4-2.3 ms at batch 16 (its ~500 small kernels run one
+after another even in a graph), so the host build is the default on CUDA too.
+Mode "ar" has no draft: its root-only trees are built on the host (they are tiny).
+"""
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS, StaticForward, new_graph_pool, pick_bucket
+from ddtree_serve.tree import (
+    DraftTree,
+    VerifyBatch,
+    build_chain,
+    build_ddtree,
+    build_ddtree_batch,
+    build_verify_batch,
+    num_device_tree_nodes,
+)
+
+TreePlacement = Literal["host", "device"]
+"""Where trees are built: "device" = where the draft lies (CUDA or, in tests, the CPU)."""
+
+
+@dataclass(frozen=True)
+class BuiltTrees:
+    """One step's trees: the verify batch (on the host or the draft's device) and, on the host,
+    each tree's node count (root included), for drawing the sampling coins without a sync."""
+
+    batch: VerifyBatch
+    num_nodes: list[int]
+    trees: list[DraftTree] | None = None  # the host trees, when built on the host
+
+
+class TreeBuilder:
+    """Builds the step's trees where `placement` says; `capture`: CUDA graphs for the device build."""
+
+    def __init__(self, placement: TreePlacement = "host", capture: bool = True) -> None:
+        self.placement = placement
+        self.capture = capture
+        self._graphs: DeviceTreeGraphs | None = None
+
+    def build(
+        self,
+        logp: torch.Tensor | None,
+        ids: torch.Tensor | None,
+        budgets: Sequence[int],
+        root_tokens: Sequence[int],
+        chain: bool,
+    ) -> BuiltTrees:
+        """Trees from the draft's `logp`, `ids` [B, L, K] (None: no draft, root-only trees).
+
+        `budgets[b]`: request b's draft nodes (ignored for a chain, which takes all L);
+        `root_tokens[b]`: its bonus token. Request b uses its first min(budget, K) ranks.
+        """
+        if logp is None or ids is None:
+            trees = [build_chain(np.empty(0, dtype=np.int64), root) for root in root_tokens]
+            return BuiltTrees(build_verify_batch(trees), [1] * len(trees), trees)
+        if self.placement == "device":
+            return self._build_on_device(logp, ids, budgets, root_tokens, chain)
+        return _build_on_host(logp, ids, budgets, root_tokens, chain)
+
+    def _build_on_device(
+        self,
+        logp: torch.Tensor,
+        ids: torch.Tensor,
+        budgets: Sequence[int],
+        root_tokens: Sequence[int],
+        chain: bool,
+    ) -> BuiltTrees:
+        num_positions = logp.shape[1]
+        if chain:
+            logp, ids, budgets = logp[:, :, :1], ids[:, :, :1], [num_positions] * len(root_tokens)
+        budget_max = max(budgets)
+        num_ranks = logp.shape[2]
+        num_nodes = [
+            num_device_tree_nodes(budget, num_positions, num_ranks, budget_max) for budget in budgets
+        ]
+        if logp.is_cuda and self.capture:
+            if self._graphs is None:
+                self._graphs = DeviceTreeGraphs(logp.device)
+            batch = self._graphs.build(logp, ids, budgets, root_tokens, budget_max)
+            if batch is not None:
+                return BuiltTrees(batch, num_nodes)
+        host = torch.tensor([list(budgets), list(root_tokens)], dtype=torch.int64)
+        budgets_t, roots_t = host.to(logp.device, non_blocking=True)
+        return BuiltTrees(build_ddtree_batch(logp, ids, budgets_t, roots_t, budget_max).verify, num_nodes)
+
+
+def _build_on_host(
+    logp: torch.Tensor, ids: torch.Tensor, budgets: Sequence[int], root_tokens: Sequence[int], chain: bool
+) -> BuiltTrees:
+    """The reference: one tree per request by the heap builder, then the padded batch."""
+    packed = torch.cat([logp.float(), ids.to(torch.float32)], dim=-1).cpu()  # one copy; ids < 2^24
+    num_ranks = logp.shape[-1]
+    logp_np, ids_np = packed[..., :num_ranks].numpy(), packed[..., num_ranks:].long().numpy()
+    if chain:
+        trees = [build_chain(ids_np[b, :, 0], root, logp_np[b, :, 0]) for b, root in enumerate(root_tokens)]
+    else:
+        trees = [
+            build_ddtree(logp_np[b, :, :budget], ids_np[b, :, :budget], budget, root)
+            for b, (budget, root) in enumerate(zip(budgets, root_tokens, strict=True))
+        ]
+    return BuiltTrees(build_verify_batch(trees), [tree.num_nodes for tree in trees], trees)
+
+
+@dataclass
+class TreeInputs:
+    """Static inputs of one (batch bucket, L, K, budget_max) build graph."""
+
+    logp: torch.Tensor  # [Bb, L, K] float32; padded rows hold any finite descending values
+    ids: torch.Tensor  # [Bb, L, K] int64
+    budgets_and_roots: torch.Tensor  # [2, Bb] int64; padded rows: budget 0 (root alone)
+    budget_max: int
+
+
+class DeviceTreeGraphs:
+    """`build_ddtree_batch` replayed from CUDA graphs, the batch padded to a batch bucket."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.forward = StaticForward(
+            self._new_inputs, self._forward, capture=True, pool=new_graph_pool(device, True)
+        )
+
+    @torch.inference_mode()
+    def build(
+        self,
+        logp: torch.Tensor,
+        ids: torch.Tensor,
+        budgets: Sequence[int],
+        root_tokens: Sequence[int],
+        budget_max: int,
+    ) -> VerifyBatch | None:
+        """The step's `VerifyBatch` as views of the graph's outputs (valid until the next build),
+        or None when the batch has no bucket."""
+        batch_size, num_positions, num_ranks = logp.shape
+        padded_batch = pick_bucket(batch_size, BATCH_BUCKETS)
+        if padded_batch is None:
+            return None
+
+        def fill(inputs: TreeInputs) -> None:
+            padding = padded_batch - batch_size
+            host = torch.tensor([[*budgets, *[0] * padding], [*root_tokens, *[0] * padding]])
+            inputs.budgets_and_roots.copy_(host, non_blocking=True)
+            inputs.logp[:batch_size] = logp
+            inputs.ids[:batch_size] = ids
+
+        key = (padded_batch, num_positions, num_ranks, budget_max)
+        outputs = [t[:batch_size] for t in self.forward.run(key, fill)]
+        tokens, depths, parents, index, next_token, next_sibling, mask, num_nodes = outputs
+        return VerifyBatch(
+            tokens=tokens,
+            depths=depths,
+            parents=parents,
+            retrieve_index=index,
+            retrieve_next_token=next_token,
+            retrieve_next_sibling=next_sibling,
+            attn_mask=mask,
+            num_nodes=num_nodes,
+            max_depth=min(num_positions, budget_max) if num_ranks else 0,
+        )
+
+    def _new_inputs(self, key: Hashable) -> TreeInputs:
+        padded_batch, num_positions, num_ranks, budget_max = key  # type: ignore[misc]
+        shape = (padded_batch, num_positions, num_ranks)
+        return TreeInputs(
+            logp=torch.zeros(shape, dtype=torch.float32, device=self.device),
+            ids=torch.zeros(shape, dtype=torch.int64, device=self.device),
+            budgets_and_roots=torch.zeros(2, padded_batch, dtype=torch.int64, device=self.device),
+            budget_max=budget_max,
+        )
+
+    def _forward(self, inputs: TreeInputs) -> tuple[torch.Tensor, ...]:
+        budgets, roots = inputs.budgets_and_roots
+        verify = build_ddtree_batch(inputs.logp, inputs.ids, budgets, roots, inputs.budget_max).verify
+        return (
+            verify.tokens,
+            verify.depths,
+            verify.parents,
+            verify.retrieve_index,
+            verify.retrieve_next_token,
+            verify.retrieve_next_sibling,
+            verify.attn_mask,
+            verify.num_nodes,
+        )
