@@ -1,10 +1,10 @@
 """The processes of one speculation group: its placement bundles and the workers it starts.
 
 One Coordinator replica is one group and one placement group. Bundle 0 holds the replica
-itself (Serve's rule), then the drafter, then the target group (one bundle per tensor-parallel
-rank, `target_group.py`); mode "ar" has no drafter and therefore no drafter bundle, so the target
-moves up to bundle 1. The workers are Ray actors in those bundles, or in-process models inside
-the replica (placement.workers = "in_process").
+itself (Serve's rule), then the drafter, then the target group (one bundle, or one per
+tensor-parallel rank: `target_group.py`); mode "ar" has no drafter and therefore no drafter
+bundle, so the target moves up to bundle 1. The workers are Ray actors in those bundles, or
+in-process models inside the replica (placement.workers = "in_process").
 """
 
 from typing import Any
@@ -35,7 +35,7 @@ def placement_bundles(config: ServeConfig) -> list[dict[str, float]]:
     bundles = [placement.coordinator.bundle()]
     if config.engine.mode != "ar":
         bundles.append(placement.drafter.bundle())
-    bundles.extend(placement.target.bundle() for _ in range(placement.tensor_parallel_size))
+    bundles.extend(placement.target_bundles())
     return bundles
 
 

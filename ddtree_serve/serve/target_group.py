@@ -1,8 +1,9 @@
 """The target as a tensor-parallel group of rank actors that the coordinator sees as one `Target`.
 
 Each rank is a `TargetWorker` whose factory (`TargetRankFactory`) joins the group's
-torch.distributed group (NCCL on CUDA, gloo on CPU) and loads its shard; ranks sit in
-consecutive bundles of the speculation group's placement group, after the drafter's. The
+torch.distributed group (NCCL on CUDA, gloo on CPU) and loads its shard; ranks sit in the
+speculation group's placement group after the drafter, in consecutive bundles (one per rank) or
+all in one bundle (`PlacementConfig.target_in_one_bundle`: one node whatever the strategy). The
 rendezvous address is picked on rank 0's node, by a task in rank 0's bundle.
 
 `RayTargetGroup` fans every call out: all ranks get the same wired inputs (one object in the
@@ -67,13 +68,14 @@ def start_target_group(
     def in_bundle(rank: int) -> dict[str, Any]:
         if placement_group is None:
             return {}
+        bundle = first_bundle if placement.target_in_one_bundle else first_bundle + rank
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=placement_group, placement_group_bundle_index=first_bundle + rank
+            placement_group=placement_group, placement_group_bundle_index=bundle
         )
         return {"scheduling_strategy": strategy}
 
     init_method = ray.get(_rendezvous_address.options(**in_bundle(0)).remote())
-    resources = placement.target
+    resources = placement.target_rank_resources()
     actors = [
         TargetWorker.options(
             num_cpus=resources.num_cpus,

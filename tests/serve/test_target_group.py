@@ -55,6 +55,28 @@ def test_one_drafter_gpu_and_a_tp4_target_gives_hand_written_bundles() -> None:
     assert options["placement_group_strategy"] == "STRICT_PACK"
 
 
+def test_a_target_bundle_of_n_gpus_holds_all_n_ranks_on_one_node() -> None:
+    config = ServeConfig.model_validate(
+        {
+            "engine": {"device": "cuda"},
+            "placement": {
+                "drafter": {"num_cpus": 4, "num_gpus": 1},
+                "target": {"num_cpus": 32, "num_gpus": 8, "resources": {"accelerator_type:B300": 0.008}},
+                "tensor_parallel_size": 8,
+                "strategy": "PACK",
+            },
+        }
+    )
+    bundles = Coordinator.get_deployment_options(config)["placement_group_bundles"]
+    assert bundles == [
+        {"CPU": 0.25},
+        {"CPU": 4, "GPU": 1},
+        {"CPU": 32, "GPU": 8, "accelerator_type:B300": 0.008},
+    ]
+    rank = config.placement.target_rank_resources()
+    assert (rank.num_cpus, rank.num_gpus, rank.resources) == (4, 1, {"accelerator_type:B300": 0.001})
+
+
 def test_multi_gpu_tp_yaml_asks_for_one_drafter_gpu_and_four_one_gpu_ranks() -> None:
     config = ServeConfig.from_yaml(DEPLOYMENTS / "multi_gpu_tp.yaml")
     bundles = Coordinator.get_deployment_options(config)["placement_group_bundles"]
@@ -73,7 +95,7 @@ def test_mode_ar_puts_the_ranks_right_after_the_coordinator() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"placement": {"target": {"num_gpus": 2}, "tensor_parallel_size": 2}}, "one rank's resources"),
+        ({"placement": {"target": {"num_gpus": 3}, "tensor_parallel_size": 2}}, "one GPU per rank"),
         ({"placement": {"workers": "in_process", "tensor_parallel_size": 2}}, "needs workers 'actors'"),
         (
             {
