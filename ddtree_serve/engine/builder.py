@@ -20,6 +20,7 @@ from ddtree_serve.models import (
     bundled_drafter_dir,
     bundled_target_dir,
 )
+from ddtree_serve.models.parallel import RankSpec, TensorParallel, join_group
 from ddtree_serve.verify import backend_available
 
 
@@ -55,7 +56,10 @@ def stage_timer(config: EngineConfig) -> StageTimer:
     return StageTimer(enabled=config.record_timings, cuda_events=config.device.startswith("cuda"))
 
 
-def build_target_step(config: EngineConfig, timer: StageTimer | None = None) -> TargetStep:
+def build_target_step(
+    config: EngineConfig, timer: StageTimer | None = None, tensor_parallel: TensorParallel | None = None
+) -> TargetStep:
+    """`tensor_parallel`: this process is one rank of a target group and loads only its shard."""
     runner = TargetRunner.from_pretrained(
         target_dir(config),
         num_slots=config.max_num_seqs,
@@ -64,6 +68,7 @@ def build_target_step(config: EngineConfig, timer: StageTimer | None = None) -> 
         dtype=config.torch_dtype,
         enforce_eager=config.enforce_eager,
         target_layer_ids=target_layer_ids(config),
+        tensor_parallel=tensor_parallel,
     )
     return TargetStep(runner, resolve_verify_backend(config.verify_backend, config.device), timer)
 
@@ -89,6 +94,20 @@ class TargetStepFactory:
 
     def __call__(self) -> TargetStep:
         return build_target_step(self.config)
+
+
+@dataclass(frozen=True)
+class TargetRankFactory:
+    """Builds one rank's `TargetStep` where it is called (inside that rank's TargetWorker).
+
+    Joining the group blocks until every rank of `rank.world_size` has called it.
+    """
+
+    config: EngineConfig
+    rank: RankSpec
+
+    def __call__(self) -> TargetStep:
+        return build_target_step(self.config, tensor_parallel=join_group(self.rank, self.config.device))
 
 
 @dataclass(frozen=True)

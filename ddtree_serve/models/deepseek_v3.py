@@ -29,10 +29,11 @@ first layers, grouped routing, `q_lora_rank` set and null, YaRN and plain RoPE):
 context features equal transformers' `DeepseekV3ForCausalLM` through the runner's prefill and
 decode, and tree verify equals decoding each node's path. Not done for real Kimi K2.6
 checkpoints (none was loaded here): quantized weights other than pack-quantized INT4 experts (e.g.
-FP8 block scales) are refused at config parsing; no tensor or expert parallelism, so the whole
-model must fit one device; no multi-token-prediction (MTP) layers (their checkpoint keys are
-skipped). tests/models/test_kimi_k25.py checks a tiny `kimi_k25` directory with INT4 experts
-against transformers' DeepseekV3 on the dequantized weights.
+FP8 block scales) are refused at config parsing; no multi-token-prediction (MTP) layers (their
+checkpoint keys are skipped). Tensor parallelism (MLA heads, experts split across the ranks,
+INT4 included) is `parallel.py`'s, tested against TP=1 in tests/models/test_tensor_parallel.py.
+tests/models/test_kimi_k25.py checks a tiny `kimi_k25` directory with INT4 experts against
+transformers' DeepseekV3 on the dequantized weights.
 """
 
 import dataclasses

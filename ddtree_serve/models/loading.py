@@ -17,6 +17,7 @@ from torch import nn
 
 from ddtree_serve.models.dflash import DFlashConfig, DFlashDraftModel
 from ddtree_serve.models.families import TargetModel, target_family
+from ddtree_serve.models.parallel import TensorParallel, TensorSlice, shard_target_model
 
 _BUNDLED_DIR = Path(__file__).resolve().parent.parent / "bundled"
 _EMBED_KEY = "model.embed_tokens.weight"
@@ -64,10 +65,14 @@ def load_tensors(
     device: torch.device | str = "cpu",
     keys: set[str] | None = None,
     dtype_for_key: Callable[[str], torch.dtype | None] | None = None,
+    shard_of_key: Callable[[str], tuple[str, TensorSlice | None] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read every tensor (or only `keys`) of a directory's safetensors shards, cast to `dtype`.
 
     `dtype_for_key` overrides the dtype per key (None skips the key without reading it).
+    `shard_of_key` (a tensor-parallel rank's `ShardPlan`) names the part of each key to read:
+    (key to store it under, slice or None for the whole tensor), or None to skip the key; a
+    slice is read with `get_slice`, so the rest of the tensor never leaves the file.
     """
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(Path(path)):
@@ -76,8 +81,16 @@ def load_tensors(
                 if keys is not None and key not in keys:
                     continue
                 key_dtype = dtype if dtype_for_key is None else dtype_for_key(key)
-                if key_dtype is not None:
-                    tensors[key] = shard.get_tensor(key).to(key_dtype)
+                part = (key, None) if shard_of_key is None else shard_of_key(key)
+                if key_dtype is None or part is None:
+                    continue
+                local_key, tensor_slice = part
+                if tensor_slice is None:
+                    tensors[local_key] = shard.get_tensor(key).to(key_dtype)
+                else:
+                    wanted = slice(tensor_slice.start, tensor_slice.stop)
+                    index = (slice(None),) * tensor_slice.dim + (wanted,)
+                    tensors[local_key] = shard.get_slice(key)[index].to(key_dtype)
     return tensors
 
 
@@ -96,17 +109,33 @@ def _assign_weights(module: nn.Module, tensors: dict[str, torch.Tensor], path: P
 
 
 def load_target_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tensor_parallel: TensorParallel | None = None,
 ) -> TargetModel:
-    """Load a causal LM directory of any registered family (Qwen3/Qwen2/Llama, DeepseekV3) in eval mode."""
+    """Load a causal LM directory of any registered family (Qwen3/Qwen2/Llama, DeepseekV3) in eval mode.
+
+    With a `tensor_parallel` group of more than one rank, only this rank's shard is built and
+    read (`parallel.shard_target_model`).
+    """
     path = Path(path)
     raw_config = read_config(path)
     family = target_family(raw_config)
     config = family.parse_config(raw_config)
     with torch.device("meta"):
         model = family.build_model(config)
+    shard_of_key = None
+    if tensor_parallel is not None and tensor_parallel.world_size > 1:
+        plan = shard_target_model(model, tensor_parallel)
+        shard_of_key = plan.with_prefix(family.checkpoint_prefix(config))
     tensors = load_tensors(
-        path, dtype=dtype, device=device, dtype_for_key=lambda key: family.tensor_dtype(config, key, dtype)
+        path,
+        dtype=dtype,
+        device=device,
+        dtype_for_key=lambda key: family.tensor_dtype(config, key, dtype),
+        shard_of_key=shard_of_key,
     )
     tensors = family.prepare_tensors(config, tensors)
     if config.tie_word_embeddings:

@@ -22,6 +22,7 @@ from ddtree_serve.models.families import TargetConfig, TargetModel
 from ddtree_serve.models.kv_cache import CacheWriter, SlotIndex, SlotKVCache
 from ddtree_serve.models.layers import avoid_per_shape_attention_plans, causal_mask
 from ddtree_serve.models.loading import load_target_model, read_eos_token_ids
+from ddtree_serve.models.parallel import TensorParallel, local_kv_layout
 from ddtree_serve.models.qwen3 import Qwen3ForCausalLM, context_features
 from ddtree_serve.models.target_graphs import TargetGraphs, tree_verify_forward
 
@@ -41,11 +42,14 @@ class TargetRunner:
         target_layer_ids: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] = (),
         enforce_eager: bool = False,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """`target_layer_ids`: decoder layers whose outputs form the context features (None: F = 0).
 
         `enforce_eager`: no CUDA graphs. Graphs are used on CUDA for the dense families only;
         the MoE reference routes tokens on the host, which a graph cannot capture.
+        `tensor_parallel`: the group `model` is this rank's shard of (None: the whole model); the
+        cache then holds this rank's heads, and verify runs eagerly (collectives are not captured).
         """
         first = next(model.parameters())
         self.model = model
@@ -55,8 +59,14 @@ class TargetRunner:
         self.target_layer_ids = tuple(target_layer_ids or ())
         self.eos_token_ids = tuple(eos_token_ids) or self.config.eos_token_ids
         avoid_per_shape_attention_plans(self.device)
-        layout = self.config.kv_layout
-        use_graphs = self.device.type == "cuda" and not enforce_eager and isinstance(model, Qwen3ForCausalLM)
+        tp = tensor_parallel or TensorParallel.single()
+        layout = local_kv_layout(self.config.kv_layout, tp)
+        use_graphs = (
+            self.device.type == "cuda"
+            and not enforce_eager
+            and isinstance(model, Qwen3ForCausalLM)
+            and tp.world_size == 1
+        )
         self.cache = SlotKVCache(
             num_layers=self.config.num_hidden_layers,
             num_slots=num_slots,
@@ -85,8 +95,10 @@ class TargetRunner:
         dtype: torch.dtype = torch.float32,
         target_layer_ids: Sequence[int] | None = None,
         enforce_eager: bool = False,
+        tensor_parallel: TensorParallel | None = None,
     ) -> "TargetRunner":
-        model = load_target_model(path, dtype=dtype, device=device)
+        """`tensor_parallel`: load only this rank's shard of the checkpoint (None: the whole model)."""
+        model = load_target_model(path, dtype=dtype, device=device, tensor_parallel=tensor_parallel)
         return cls(
             model,
             num_slots=num_slots,
@@ -94,6 +106,7 @@ class TargetRunner:
             target_layer_ids=target_layer_ids,
             eos_token_ids=read_eos_token_ids(path),
             enforce_eager=enforce_eager,
+            tensor_parallel=tensor_parallel,
         )
 
     @property

@@ -29,8 +29,9 @@ class WorkerResources(_Strict):
     num_gpus: float = Field(
         default=0.0,
         ge=0.0,
-        description="GPUs reserved for the process; a target group of N GPUs sets N here "
-        "(one actor that owns all N devices).",
+        description="GPUs reserved for the process (or, for a tensor-parallel target, see "
+        "`placement.target`). With tensor_parallel_size 1 a target of N GPUs sets N here (one "
+        "actor that owns all N devices).",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -54,7 +55,20 @@ class PlacementConfig(_Strict):
         default_factory=WorkerResources, description="The DrafterWorker actor (DFlash drafter)."
     )
     target: WorkerResources = Field(
-        default_factory=WorkerResources, description="The TargetWorker actor (target model, KV cache)."
+        default_factory=WorkerResources,
+        description="The TargetWorker actor (target model, KV cache). With tensor_parallel_size N > 1, "
+        "either one rank's bundle (num_gpus 1, or 0 for CPU ranks: N bundles, one per rank, as vLLM "
+        "and Ray Serve LLM lay them out) or the whole group's (num_gpus N: one bundle, so always one "
+        "node even under PACK, its CPUs, GPUs and custom resources shared evenly by the N ranks).",
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Ranks of the target group (vLLM's and SGLang's name; placement, not engine, "
+        "because it sets how many actors and bundles the group has): the target runs as this many "
+        "TargetWorker actors, one GPU each, forming one torch.distributed group (NCCL on CUDA, gloo "
+        "on CPU) that shards attention heads, MLPs, experts and the vocabulary; the coordinator "
+        "still sees one target.",
     )
     workers: Literal["actors", "in_process"] = Field(
         default="actors",
@@ -96,7 +110,37 @@ class PlacementConfig(_Strict):
                 )
         if self.coordinator.num_gpus > 0:
             raise ValueError("placement.coordinator must not reserve GPUs: the models run in the workers")
+        if self.tensor_parallel_size > 1:
+            if self.target.num_gpus > 1 and self.target.num_gpus != self.tensor_parallel_size:
+                raise ValueError(
+                    f"placement.target.num_gpus {self.target.num_gpus} with tensor_parallel_size "
+                    f"{self.tensor_parallel_size}: one GPU per rank, so 1 (a bundle per rank) or "
+                    f"{self.tensor_parallel_size} (one bundle for the group)"
+                )
+            if self.workers != "actors":
+                raise ValueError("placement.tensor_parallel_size > 1 needs workers 'actors' (one per rank)")
         return self
+
+    @property
+    def target_in_one_bundle(self) -> bool:
+        """The target's ranks share one bundle (target.num_gpus = tensor_parallel_size > 1)."""
+        return self.tensor_parallel_size > 1 and self.target.num_gpus > 1
+
+    def target_bundles(self) -> list[dict[str, float]]:
+        """The target's placement bundles: one, or one per rank."""
+        count = 1 if self.target_in_one_bundle else self.tensor_parallel_size
+        return [self.target.bundle() for _ in range(count)]
+
+    def target_rank_resources(self) -> WorkerResources:
+        """What one target rank actor reserves inside its bundle."""
+        if not self.target_in_one_bundle:
+            return self.target
+        ranks, target = self.tensor_parallel_size, self.target
+        return WorkerResources(
+            num_cpus=target.num_cpus / ranks,
+            num_gpus=target.num_gpus / ranks,
+            resources={name: amount / ranks for name, amount in target.resources.items()},
+        )
 
 
 class IngressConfig(_Strict):
@@ -275,6 +319,23 @@ class ServeConfig(_Strict):
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP proxy address.")
     grpc: GRPCConfig = Field(default_factory=GRPCConfig, description="gRPC proxy address.")
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig, description="Telemetry.")
+
+    @model_validator(mode="after")
+    def _check_target_group(self) -> "ServeConfig":
+        placement, device = self.placement, self.engine.device
+        if placement.tensor_parallel_size == 1:
+            return self
+        if device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"engine.device {device!r} with tensor_parallel_size > 1: use 'cuda' "
+                "(each rank runs on the GPU Ray gives it) or 'cpu'"
+            )
+        if device == "cuda" and placement.target_rank_resources().num_gpus != 1:
+            raise ValueError(
+                "a tensor-parallel target on CUDA needs one GPU per rank: placement.target.num_gpus "
+                "1 (a bundle per rank) or tensor_parallel_size (one bundle)"
+            )
+        return self
 
     @property
     def max_ongoing_per_group(self) -> int:

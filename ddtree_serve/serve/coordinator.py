@@ -34,6 +34,7 @@ from ddtree_serve.serve.group import placement_bundles, start_workers
 from ddtree_serve.serve.load import GroupLoad
 from ddtree_serve.serve.observed_engine import ObservedEngine, StepRecord
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest, Usage
+from ddtree_serve.serve.target_group import RayTargetGroup
 from ddtree_serve.serve.telemetry import GroupTelemetry
 from ddtree_serve.serve.workers import DrafterFactory, RayDrafter, RayTarget, TargetFactory
 
@@ -235,7 +236,7 @@ class Coordinator:
         if not self._llm.is_running:
             raise RuntimeError("the engine thread stopped")
         target = self._llm.engine.target
-        if isinstance(target, RayTarget):
+        if isinstance(target, RayTarget | RayTargetGroup):
             await target.check_alive()
 
     async def worker_actors(self) -> dict[str, Any]:

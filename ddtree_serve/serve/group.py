@@ -1,9 +1,10 @@
 """The processes of one speculation group: its placement bundles and the workers it starts.
 
 One Coordinator replica is one group and one placement group. Bundle 0 holds the replica
-itself (Serve's rule), then the drafter, then the target group; mode "ar" has no drafter and
-therefore no drafter bundle, so the target moves up to bundle 1. The workers are Ray actors in
-those bundles, or in-process models inside the replica (placement.workers = "in_process").
+itself (Serve's rule), then the drafter, then the target group (one bundle, or one per
+tensor-parallel rank: `target_group.py`); mode "ar" has no drafter and therefore no drafter
+bundle, so the target moves up to bundle 1. The workers are Ray actors in those bundles, or
+in-process models inside the replica (placement.workers = "in_process").
 
 When a worker dies: Ray restarts the drafter in its bundle (the engine decodes plainly until it
 is back, then rebuilds its context); the target is never restarted alone, because its KV
@@ -18,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory
 from ddtree_serve.engine.interfaces import Drafter, Target
 from ddtree_serve.serve.config import ServeConfig, WorkerResources
+from ddtree_serve.serve.target_group import start_target_group
 from ddtree_serve.serve.workers import (
     DrafterFactory,
     DrafterWorker,
@@ -34,12 +36,13 @@ DRAFTER_MAX_RESTARTS = -1
 
 
 def placement_bundles(config: ServeConfig) -> list[dict[str, float]]:
-    """The group's placement-group bundles: coordinator (+ node type), drafter (unless mode "ar"), target."""
+    """The group's placement-group bundles: coordinator (+ node type), drafter (unless mode "ar"),
+    target ranks."""
     placement = config.placement
     bundles = [placement.coordinator_bundle()]
     if config.engine.mode != "ar":
         bundles.append(placement.drafter.bundle())
-    bundles.append(placement.target.bundle())
+    bundles.extend(placement.target_bundles())
     return bundles
 
 
@@ -54,6 +57,10 @@ def start_workers(
     here; None = load `config.engine`'s model directories (tests inject fakes here).
     """
     engine_config = config.engine
+    if target_factory is not None and config.placement.tensor_parallel_size > 1:
+        raise ValueError(
+            "a target factory builds one process's target; a tensor-parallel group loads its ranks"
+        )
     target_factory = target_factory or TargetStepFactory(engine_config)
     if engine_config.mode == "ar":
         drafter_factory = None
@@ -90,6 +97,9 @@ def _start_actors(
             **options(placement.drafter, DRAFTER_BUNDLE), max_restarts=DRAFTER_MAX_RESTARTS
         ).remote(drafter_factory)
         target_bundle = TARGET_BUNDLE
+    if placement.tensor_parallel_size > 1:
+        drafter = RayDrafter(drafter_actor) if drafter_actor is not None else None
+        return start_target_group(config, placement_group, target_bundle), drafter
     target_actor = TargetWorker.options(**options(placement.target, target_bundle)).remote(target_factory)
     # Both workers start (process, imports, model load) at once; each adapter waits for its own,
     # so a group comes up, or is replaced after a fault, in the time of the slower one.

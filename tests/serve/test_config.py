@@ -102,7 +102,7 @@ def test_every_deployment_yaml_validates_and_registers_both_grpc_services(path: 
     assert config.http.port == raw["http_options"]["port"]
     assert config.grpc.port == raw["grpc_options"]["port"]
     bundles = Coordinator.get_deployment_options(config)["placement_group_bundles"]
-    assert len(bundles) == 3
+    assert len(bundles) == 2 + len(config.placement.target_bundles())  # coordinator, drafter, target
 
 
 def test_multi_gpu_yaml_asks_for_one_drafter_gpu_and_four_target_gpus() -> None:
