@@ -160,6 +160,12 @@ class PolicyMetrics:
             description="Tokens one request commits per step (tau) across groups, as the policy saw it.",
             tag_keys=self._TAGS,
         )
+        self.no_draft_share = ray_metrics.Gauge(
+            "ddtree_autoscaling_no_draft_share",
+            description="Share of recent steps the groups' adaptive budget decoded without a draft "
+            "(weighted by running requests; 0 under the fixed policy), as the policy saw it.",
+            tag_keys=self._TAGS,
+        )
         self.groups = ray_metrics.Gauge(
             "ddtree_autoscaling_groups",
             description="Speculation groups: reporting, proposed by the band, decided after delays.",
@@ -179,6 +185,7 @@ class PolicyMetrics:
         slot_demand: float,
         queue_wait_s: float,
         tokens_per_step: float,
+        no_draft_share: float,
         num_reporting: int,
         num_proposed: int,
         num_decided: int,
@@ -189,6 +196,7 @@ class PolicyMetrics:
         self.slot_demand.set(slot_demand, tags=tags)
         self.queue_wait.set(queue_wait_s, tags=tags)
         self.tokens_per_step.set(tokens_per_step, tags=tags)
+        self.no_draft_share.set(no_draft_share, tags=tags)
         counts = {"reporting": num_reporting, "proposed": num_proposed, "decided": num_decided}
         for kind, count in counts.items():
             self.groups.set(count, tags={**tags, "kind": kind})
