@@ -3,18 +3,21 @@
 A speculation group's capacity is its KV slots (`max_num_seqs`), not a request count, and what
 it does with them depends on how many tokens a step commits per request (tau). Every group
 reports its slots, running and queued requests, the wait of its oldest request without a first
-token and its tau (`serve/load.py`); Serve averages each over its look-back window and hands
-them to `SpeculationPolicy` in the controller, every control-loop tick (Ray 2.60's
-custom policy API: a class named by import path, built once with `policy_kwargs`).
+token, its tau and the share of recent steps its adaptive budget did not draft
+(`serve/load.py`); Serve averages each over its look-back window and hands them to
+`SpeculationPolicy` in the controller, every control-loop tick (Ray 2.60's custom policy API:
+a class named by import path, built once with `policy_kwargs`).
 
 The policy sizes the group count for `target_slot_demand`, adds groups when the mean slot
-demand rises above `upscale_slot_demand`, when a request waits too long for its first token, or
-when tau collapses under load; it removes groups only when the demand would fit fewer groups
-and sits below `downscale_slot_demand`. Inside the band it holds. A wanted change happens only
-after it has been wanted for the whole delay (measured on the context's clock, kept in the
-policy state), so the delays are part of the policy and testable with synthetic contexts;
-Serve's own delays are set to 0 for it. Its inputs and decisions are Ray gauges of the
-controller (`serve/metrics.py: PolicyMetrics`) and one log line per wanted or made change.
+demand rises above `upscale_slot_demand`, when a request waits too long for its first token,
+when tau collapses under load, or when the budget keeps choosing "no draft" under load (the
+batch grew past where drafting pays; both off by default); it removes groups only when the
+demand would fit fewer groups and sits below `downscale_slot_demand`. Inside the band it holds.
+A wanted change happens only after it has been wanted for the whole delay (measured on the
+context's clock, kept in the policy state), so the delays are part of the policy and testable
+with synthetic contexts; Serve's own delays are set to 0 for it. Its inputs and decisions are
+Ray gauges of the controller (`serve/metrics.py: PolicyMetrics`) and one log line per wanted
+or made change.
 """
 
 import logging
@@ -52,6 +55,7 @@ class GroupReports:
     demand: float  # running + queued requests
     queue_wait_s: float  # the longest first-token wait of any group
     tokens_per_step: float  # tau, weighted by running requests; 0 = no step seen yet
+    no_draft_share: float = 0.0  # share of steps without a draft, weighted by running requests
 
     @property
     def slot_demand(self) -> float:
@@ -74,12 +78,19 @@ class GroupReports:
         weights = {replica: running[replica] for replica in replicas if taus[replica] > 0}
         total_weight = sum(weights.values())
         tau = sum(taus[r] * w for r, w in weights.items()) / total_weight if total_weight > 0 else 0.0
+        total_running = sum(running.values())
+        no_draft_share = (
+            sum(figure(load.NO_DRAFT_SHARE, r) * running[r] for r in replicas) / total_running
+            if total_running > 0
+            else 0.0
+        )
         return cls(
             num_groups=len(replicas),
             num_slots=sum(slots[replica] for replica in replicas),
             demand=sum(running[replica] + figure(load.WAITING, replica) for replica in replicas),
             queue_wait_s=max(figure(load.QUEUE_WAIT_S, replica) for replica in replicas),
             tokens_per_step=tau,
+            no_draft_share=no_draft_share,
         )
 
 
@@ -113,6 +124,13 @@ def propose(
     ):
         wanted, direction = max(num_groups + 1, sized), "up"
         reason = f"tokens per step {tau:.2f} < {band.min_tokens_per_step} under load"
+    elif (
+        band.max_no_draft_share is not None
+        and reports.no_draft_share > band.max_no_draft_share
+        and slot_demand > band.downscale_slot_demand
+    ):
+        wanted, direction = max(num_groups + 1, sized), "up"
+        reason = f"no-draft share {reports.no_draft_share:.2f} > {band.max_no_draft_share} under load"
     elif slot_demand < band.downscale_slot_demand and sized < num_groups:
         wanted, direction = sized, "down"
         reason = f"slot demand {slot_demand:.2f} < {band.downscale_slot_demand}, fits {sized}"
@@ -201,6 +219,7 @@ class SpeculationPolicy:
             slot_demand=reports.slot_demand,
             queue_wait_s=reports.queue_wait_s,
             tokens_per_step=reports.tokens_per_step,
+            no_draft_share=reports.no_draft_share,
             num_reporting=reports.num_groups,
             num_proposed=proposal.num_groups,
             num_decided=decision,

@@ -205,6 +205,15 @@ class SpeculationScalingConfig(_Strict):
         "this while slot demand is above downscale_slot_demand: under load the tree budget has "
         "fallen towards 'no draft'. None = off (mode 'ar' always commits 1).",
     )
+    max_no_draft_share: float | None = Field(
+        default=None,
+        ge=0.0,
+        lt=1.0,
+        description="Add a group when the share of recent steps the adaptive budget decoded "
+        "without drafting exceeds this while slot demand is above downscale_slot_demand: the "
+        "batch grew past where drafting pays, and smaller batches on more groups draft again. "
+        "None = off; the fixed budget policy always reports 0.",
+    )
 
     @model_validator(mode="after")
     def _check_band(self) -> "SpeculationScalingConfig":

@@ -5,8 +5,11 @@ the same table, so a bad request gets the same meaning over HTTP and gRPC.
 """
 
 import enum
+from collections.abc import Iterator
 
 import grpc
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
 
 # Seconds a client should wait before retrying a 503 (HTTP `Retry-After`): a slot or queue
 # place frees up within a few engine steps; a lost group is replaced within seconds, and
@@ -70,16 +73,34 @@ def invalid(message: str, param: str | None = None) -> RequestError:
     return RequestError(ErrorKind.INVALID_ARGUMENT, message, param)
 
 
-def as_request_error(error: BaseException) -> RequestError | None:
-    """The `RequestError` behind `error`, unwrapping Ray's task-error wrapper; None otherwise."""
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then what caused it: Ray's task-error `cause`, else `__cause__` (each once)."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
+        yield current
+        seen.add(id(current))
+        cause = getattr(current, "cause", None)
+        current = cause if isinstance(cause, BaseException) else current.__cause__
+
+
+def as_request_error(error: BaseException) -> RequestError | None:
+    """The `RequestError` behind `error`, unwrapping Ray's task-error wrapper; None otherwise."""
+    for current in error_chain(error):
         # Ray re-raises a remote error as a subclass of both RayTaskError and the cause's class
         # without the cause's attributes: only an instance that carries `kind` is the real one.
         if isinstance(current, RequestError) and "kind" in vars(current):
             return current
-        seen.add(id(current))
-        cause = getattr(current, "cause", None)
-        current = cause if isinstance(cause, BaseException) else current.__cause__
     return None
+
+
+def is_lost_replica(error: BaseException) -> bool:
+    """True when `error` says the replica (or an actor) serving the request died or went away.
+
+    A Coordinator replica whose process died, on a removed node for instance, surfaces at the
+    ingress as `ActorDiedError` (a `RayActorError`), or as Serve's `ReplicaUnavailableError`
+    when the router notices first. Serve replaces the group, so the client should retry.
+    """
+    return any(
+        isinstance(current, (RayActorError, ReplicaUnavailableError)) for current in error_chain(error)
+    )

@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from ddtree_serve.serve.chat import ChatFormat, ChatTurn
 from ddtree_serve.serve.config import ServeConfig
-from ddtree_serve.serve.errors import ErrorKind, RequestError, as_request_error, invalid
+from ddtree_serve.serve.errors import ErrorKind, RequestError, as_request_error, invalid, is_lost_replica
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest
 from ddtree_serve.serve.tracing import Tracing
 
@@ -37,6 +37,11 @@ def as_error(error: BaseException) -> RequestError:
         return request_error
     if isinstance(error, BackPressureError):
         return RequestError(ErrorKind.OVERLOADED, "the server is at capacity; retry later")
+    if is_lost_replica(error):
+        logger.warning("request lost its speculation group (%s); answered as retriable", type(error).__name__)
+        return RequestError(
+            ErrorKind.UNAVAILABLE, "the speculation group serving this request was lost; retry"
+        )
     logger.exception("request failed", exc_info=error)
     return RequestError(ErrorKind.INTERNAL, f"internal error: {type(error).__name__}")
 

@@ -60,6 +60,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget", type=int, help=f"DDTree nodes per request per step {default(engine.budget)}."
     )
     model.add_argument(
+        "--budget-policy",
+        choices=["fixed", "adaptive"],
+        help="fixed: every tree gets --budget nodes; adaptive (mode ddtree): per step, nodes where "
+        "they are likely accepted while predicted tokens/s rise, or no draft when drafting does "
+        f"not pay; --budget stays the ceiling {default(engine.budget_policy)}.",
+    )
+    model.add_argument(
+        "--cost-curve",
+        metavar="FILE",
+        help="adaptive: step-cost JSON over (batch, tree tokens), e.g. from bench/kimi_slice.py "
+        "(default: measured when each group starts).",
+    )
+    model.add_argument(
         "--enforce-eager",
         action="store_true",
         default=None,
@@ -139,6 +152,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ("engine", "drafter"): args.drafter,
         ("engine", "mode"): args.mode,
         ("engine", "budget"): args.budget,
+        ("engine", "budget_policy"): args.budget_policy,
+        # Workers read the file; a path relative to this shell means nothing to them.
+        ("engine", "cost_curve"): None if args.cost_curve is None else os.path.abspath(args.cost_curve),
         ("engine", "device"): args.device,
         ("engine", "enforce_eager"): args.enforce_eager,
         ("engine", "max_num_seqs"): args.max_num_seqs,
@@ -159,6 +175,21 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if args.model_name is not None:
         raw["model_name"] = args.model_name
     return ServeConfig.model_validate(raw)
+
+
+def local_file_problem(config: ServeConfig) -> str | None:
+    """What a local cluster would fail on when its groups load files from this disk, if any:
+    a model directory without config.json, or a cost curve that does not load."""
+    if problem := config.engine.missing_model_dir():
+        return problem
+    if config.engine.cost_curve is not None:
+        from ddtree_serve.engine.budget import load_cost_curve
+
+        try:
+            load_cost_curve(config.engine.cost_curve)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            return f"cost curve {config.engine.cost_curve}: {one_line_error(error)}"
+    return None
 
 
 def ray_init_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -231,7 +262,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError, ValidationError, ValueError) as error:
         print(f"ddtree-serve serve: error: {one_line_error(error)}", file=sys.stderr)
         return 2
-    if args.ray_address is None and (problem := config.engine.missing_model_dir()):
+    if args.ray_address is None and (problem := local_file_problem(config)):
         # A local cluster reads the same disk: refuse now instead of failing replicas in a loop.
         print(f"ddtree-serve serve: error: {problem}", file=sys.stderr)
         return 2
@@ -255,8 +286,10 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.start(**serve_start_options(config))
         with _without_serve_start_notice():
             serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
+        engine = config.engine
         print(
-            f"ddtree-serve: model {config.model_name!r} ({config.engine.mode}, budget {config.engine.budget})"
+            f"ddtree-serve: model {config.model_name!r} "
+            f"({engine.mode}, budget {engine.budget}, {engine.budget_policy} budget policy)"
         )
         print(f"  HTTP       http://{config.http.host}:{config.http.port}/v1  (OpenAI-compatible)")
         # Ray Serve's gRPC proxy takes no host: it listens on every interface ([::]).

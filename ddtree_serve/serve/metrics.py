@@ -11,9 +11,17 @@ from collections.abc import Mapping, Sequence
 from ray.serve import metrics
 from ray.util import metrics as ray_metrics
 
+from ddtree_serve.engine.budget import BudgetStep
 from ddtree_serve.engine.timing import STEP_STAGES
 
 _LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+_CALIBRATION_ABS_ERROR_BOUNDARIES = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+
+
+def _budget_node_boundaries(tree_budget: int) -> list[float]:
+    """0 (no draft) alone, then powers of two up to the budget, the budget itself last."""
+    powers = [float(2**exponent) for exponent in range(tree_budget.bit_length()) if 2**exponent < tree_budget]
+    return [0.5, *powers, float(tree_budget)]
 
 
 class GroupMetrics:
@@ -62,6 +70,37 @@ class GroupMetrics:
             description="Requests refused by the coordinator, by reason.",
             tag_keys=("reason",),
         )
+        # The adaptive budget's choice and forecast (fed only under budget_policy "adaptive").
+        self.budget_nodes = metrics.Histogram(
+            "ddtree_budget_nodes",
+            description="Draft nodes the budget policy gave one request in one step (0 = no draft).",
+            boundaries=_budget_node_boundaries(tree_budget),
+        )
+        self.budget_no_draft_steps = metrics.Counter(
+            "ddtree_budget_no_draft_steps",
+            description="Steps the adaptive budget decoded plainly (no draft: drafting would not pay).",
+        )
+        draft_tokens_boundaries = [0.5 * n for n in range(1, 2 * max(block_size - 1, 1) + 1)]
+        self.predicted_acceptance = metrics.Histogram(
+            "ddtree_predicted_acceptance",
+            description="Draft tokens the calibrated forecast expected one request to accept in a "
+            "drafted step (the sum of its verified nodes' calibrated probabilities).",
+            boundaries=draft_tokens_boundaries,
+        )
+        self.actual_acceptance = metrics.Histogram(
+            "ddtree_actual_acceptance",
+            description="Draft tokens verification accepted for one request in a drafted step "
+            "(the forecast's outcome; compare with ddtree_predicted_acceptance).",
+            boundaries=draft_tokens_boundaries,
+        )
+        # Ray histograms take positive boundaries only: the signed bias is the difference of the
+        # two means above, the spread is this histogram.
+        self.calibration_abs_error = metrics.Histogram(
+            "ddtree_calibration_abs_error",
+            description="|predicted - accepted| draft tokens of one request in a drafted step "
+            "(the calibration error; its bias is mean predicted minus mean actual acceptance).",
+            boundaries=_CALIBRATION_ABS_ERROR_BOUNDARIES,
+        )
         self._tree_budget = tree_budget
         self.record_load(0, 0)
 
@@ -74,6 +113,18 @@ class GroupMetrics:
         if emitted_per_request:
             self.accepted_tokens_per_step.observe(sum(emitted - 1 for emitted in emitted_per_request))
             self.tokens_per_step.observe(sum(emitted_per_request))
+
+    def record_budget(self, step: BudgetStep) -> None:
+        """One step of the adaptive budget: nodes per request, and the forecast against the outcome."""
+        for num_nodes in step.num_nodes:
+            self.budget_nodes.observe(num_nodes)
+        if not step.drafted:
+            self.budget_no_draft_steps.inc()
+            return
+        for predicted, accepted in zip(step.predicted_per_request, step.accepted_per_request, strict=True):
+            self.predicted_acceptance.observe(predicted)
+            self.actual_acceptance.observe(accepted)
+            self.calibration_abs_error.observe(abs(predicted - accepted))
 
     def record_load(self, num_running: int, num_waiting: int) -> None:
         """Refreshes the gauges; call periodically, since Ray drops gauges that stop being set."""
@@ -109,6 +160,12 @@ class PolicyMetrics:
             description="Tokens one request commits per step (tau) across groups, as the policy saw it.",
             tag_keys=self._TAGS,
         )
+        self.no_draft_share = ray_metrics.Gauge(
+            "ddtree_autoscaling_no_draft_share",
+            description="Share of recent steps the groups' adaptive budget decoded without a draft "
+            "(weighted by running requests; 0 under the fixed policy), as the policy saw it.",
+            tag_keys=self._TAGS,
+        )
         self.groups = ray_metrics.Gauge(
             "ddtree_autoscaling_groups",
             description="Speculation groups: reporting, proposed by the band, decided after delays.",
@@ -128,6 +185,7 @@ class PolicyMetrics:
         slot_demand: float,
         queue_wait_s: float,
         tokens_per_step: float,
+        no_draft_share: float,
         num_reporting: int,
         num_proposed: int,
         num_decided: int,
@@ -138,6 +196,7 @@ class PolicyMetrics:
         self.slot_demand.set(slot_demand, tags=tags)
         self.queue_wait.set(queue_wait_s, tags=tags)
         self.tokens_per_step.set(tokens_per_step, tags=tags)
+        self.no_draft_share.set(no_draft_share, tags=tags)
         counts = {"reporting": num_reporting, "proposed": num_proposed, "decided": num_decided}
         for kind, count in counts.items():
             self.groups.set(count, tags={**tags, "kind": kind})

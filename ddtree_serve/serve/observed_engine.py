@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ddtree_serve.engine.budget import BudgetStep
 from ddtree_serve.engine.request import RequestOutput
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.engine.timing import StageTimer
@@ -39,13 +40,15 @@ class PhaseIntervals(StageTimer):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step did: its index, stage intervals, the outputs it produced, and the tokens
-    each verified request's step produced before stop truncation (1..block_size), by request id."""
+    """What one step did: its index, stage intervals, the outputs it produced, the tokens each
+    verified request's step produced before stop truncation (1..block_size), by request id, and
+    what the adaptive budget chose for it (None under the fixed policy or without a verify)."""
 
     index: int
     intervals_ns: dict[str, tuple[int, int]]
     outputs: Sequence[RequestOutput]
     num_step_tokens: Mapping[str, int]
+    budget: BudgetStep | None = None
 
 
 StepObserver = Callable[[StepRecord], None]
@@ -64,12 +67,25 @@ class ObservedEngine(SpecEngine):
         # Every request this step may verify (running, or admitted by its schedule) and its
         # count so far: the step's tokens are the difference, finished requests included.
         counts_before = [(request, request.num_step_tokens) for request in self._requests.values()]
+        budget_before = self._last_budget_step()
         outputs = super().step()
+        budget = self._last_budget_step()
         self._num_steps += 1
         num_step_tokens = {
             request.request_id: request.num_step_tokens - count
             for request, count in counts_before
             if request.num_step_tokens > count
         }
-        self._observer(StepRecord(self._num_steps, self._phases.take(), outputs, num_step_tokens))
+        self._observer(
+            StepRecord(
+                self._num_steps,
+                self._phases.take(),
+                outputs,
+                num_step_tokens,
+                budget=budget if budget is not budget_before else None,  # a new record: this step's
+            )
+        )
         return outputs
+
+    def _last_budget_step(self) -> BudgetStep | None:
+        return None if self.budget_policy is None else self.budget_policy.last_step

@@ -4,7 +4,9 @@ Two sources feed it. The Coordinator, on the event loop, opens one request span 
 (under the caller's trace context) and reports finishes, cancellations and refusals. The engine
 thread reports every step through `on_step` (the `ObservedEngine`'s observer), which records
 the step's phase times and per-request tokens as metrics and adds the step's phase spans under
-the span of every request in it. A gauge thread refreshes the load gauges while the engine runs.
+the span of every request in it; under the adaptive budget policy the step's choice (nodes per
+request, or no draft) and its forecast against what verification accepted go to both. A gauge
+thread refreshes the load gauges while the engine runs.
 """
 
 import threading
@@ -15,6 +17,7 @@ from contextlib import contextmanager
 from opentelemetry.trace import Span
 
 from ddtree_serve.engine.async_llm import AsyncLLM
+from ddtree_serve.engine.budget import BudgetStep
 from ddtree_serve.engine.outputs import CompletionOutput
 from ddtree_serve.serve.config import ObservabilityConfig
 from ddtree_serve.serve.metrics import GroupMetrics
@@ -82,14 +85,17 @@ class GroupTelemetry:
         if self._metrics is not None:
             phases = {name: (end - start) / 1e9 for name, (start, end) in record.intervals_ns.items()}
             self._metrics.record_step(phases, list(record.num_step_tokens.values()))
+            if record.budget is not None:
+                self._metrics.record_budget(record.budget)
         if self._tracing.enabled:
             phases_ns = {
                 name: interval for name, interval in record.intervals_ns.items() if name != "schedule"
             }
+            attributes = budget_span_attributes(record.budget) if record.budget is not None else None
             with self._spans_lock:
                 spans = [self._spans.get(output.request_id) for output in record.outputs]
             for span in spans:
-                self._tracing.record_phases(span, phases_ns, record.index)
+                self._tracing.record_phases(span, phases_ns, record.index, attributes)
 
     # --------------------------------------------------------------------------- load gauges
 
@@ -106,3 +112,19 @@ class GroupTelemetry:
         while llm.is_running:
             metrics.record_load(llm.engine.num_running, llm.engine.num_waiting)
             time.sleep(_GAUGE_INTERVAL_S)
+
+
+def budget_span_attributes(step: BudgetStep) -> dict[str, bool | int | float]:
+    """What the adaptive budget chose for a step and how its forecast fared, for the phase spans.
+
+    Batch figures: the choice is made across the whole batch (the spans are shared by it too).
+    """
+    return {
+        "ddtree.budget.drafted": step.drafted,
+        "ddtree.budget.batch_size": len(step.num_nodes),
+        "ddtree.budget.nodes": sum(step.num_nodes),
+        "ddtree.budget.max_nodes": max(step.num_nodes, default=0),
+        "ddtree.budget.predicted_accepted": step.predicted_accepted,
+        "ddtree.budget.accepted": step.accepted,
+        "ddtree.budget.calibration_error": step.calibration_error,
+    }

@@ -122,19 +122,25 @@ class Tracing:
         return carrier
 
     def record_phases(
-        self, parent: Span | None, phase_intervals_ns: Mapping[str, tuple[int, int]], step: int
+        self,
+        parent: Span | None,
+        phase_intervals_ns: Mapping[str, tuple[int, int]],
+        step: int,
+        step_attributes: Mapping[str, str | int | float | bool] | None = None,
     ) -> None:
-        """Child spans of `parent` covering the phases of one engine step (shared by its batch)."""
+        """Child spans of `parent` covering the phases of one engine step (shared by its batch),
+        each carrying `ddtree.step` and the step's own `step_attributes`."""
         if self._tracer is None or parent is None or not self.config.phase_spans:
             return
         context = trace.set_span_in_context(parent)
+        attributes = {"ddtree.step": step, **(step_attributes or {})}
         for phase, (start_ns, end_ns) in phase_intervals_ns.items():
             span = self._tracer.start_span(
                 phase,
                 context=context,
                 kind=SpanKind.INTERNAL,
                 start_time=start_ns,
-                attributes={"ddtree.step": step},
+                attributes=attributes,
             )
             span.end(end_time=end_ns)
 

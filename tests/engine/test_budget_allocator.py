@@ -125,6 +125,8 @@ def test_policy_learns_from_what_verification_accepted():
         record = policy.observe([tree_prefix(tree, allocation.num_nodes[0])], [[]])
         assert record.drafted and record.accepted == 0
         assert record.predicted_accepted == pytest.approx(sum(allocation.expected_accepted))
+        assert record.predicted_per_request == allocation.expected_accepted
+        assert record.calibration_error == pytest.approx(record.predicted_accepted)  # nothing accepted
     last = policy.choose([tree], [16])
     assert sum(last.expected_accepted) < 0.5 * sum(first.expected_accepted)
     assert last.num_nodes[0] <= first.num_nodes[0]
@@ -136,6 +138,6 @@ def test_a_plain_step_teaches_the_cost_curve_only():
     policy.should_draft([8])
     policy.record_verify_ms(50.0)
     record = policy.observe([tree_prefix(build_ddtree(*random_draft(1), 8, 3), 0)], [[]])
-    assert not record.drafted and record.num_nodes == (0,)
+    assert not record.drafted and record.num_nodes == (0,) and record.predicted_per_request == (0.0,)
     assert float(policy.cost.verify_ms(1, 1)) > 4.3  # pulled toward the 50 ms it measured
     np.testing.assert_array_equal(policy.calibrator.calibrate(np.array([0.5])), calibrated_before)

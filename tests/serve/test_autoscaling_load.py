@@ -2,6 +2,7 @@
 from real request streams, and through the Coordinator's Serve hook (no Ray)."""
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -14,7 +15,7 @@ from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.coordinator import Coordinator
 from ddtree_serve.serve.group import start_workers
 from ddtree_serve.serve.load import GroupLoad
-from ddtree_serve.serve.observed_engine import ObservedEngine
+from ddtree_serve.serve.observed_engine import ObservedEngine, StepRecord
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,6 +48,36 @@ def test_tokens_per_step_is_the_mean_over_verified_requests_of_the_recent_steps(
     assert report[load.TOKENS_PER_STEP] == pytest.approx(verified_tokens / sum(s.steps for s in stats))
     assert report[load.TOKENS_PER_STEP] > 1.0  # the trained pair accepts drafts
     assert (report[load.RUNNING], report[load.WAITING], report[load.MAX_NUM_SEQS]) == (0.0, 0.0, 2.0)
+    assert report[load.NO_DRAFT_SHARE] == 0.0  # the fixed budget policy drafts every step
+
+
+def test_no_draft_share_is_the_share_of_recent_steps_the_adaptive_budget_did_not_draft(tmp_path) -> None:
+    """A drafter costly enough that most steps decode plainly; the window holds every step."""
+    cost_file = tmp_path / "costly_drafter.json"
+    cost_file.write_text(json.dumps({"tokens": [1, 4096], "ms": [10.0, 10.0], "draft_ms": 1000.0}))
+    engine_config = CONFIG.engine.model_copy(
+        update={"budget": 8, "budget_policy": "adaptive", "cost_curve": str(cost_file)}
+    )
+    config = CONFIG.model_copy(update={"engine": engine_config})
+    group_load = GroupLoad(max_num_seqs=2, window_steps=10_000)
+    drafted: list[bool] = []
+
+    def observe(record: StepRecord) -> None:
+        group_load.on_step(record)
+        if record.num_step_tokens:
+            drafted.append(record.budget.drafted)
+
+    target, drafter = start_workers(config)
+    engine = ObservedEngine(
+        config.engine.to_settings(), target, drafter, load_tokenizer(bundled_target_dir()), observer=observe
+    )
+    for request_id, prompt in (("a", "def add(a, b):"), ("b", "import os")):
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    share = group_load.stats(num_running=0, num_waiting=0)[load.NO_DRAFT_SHARE]
+    assert 0.0 < share < 1.0  # the costly drafter made most steps plain, the probes drafted
+    assert share == pytest.approx(drafted.count(False) / len(drafted))
 
 
 def test_a_request_waits_until_its_first_item_and_not_after() -> None:
@@ -114,6 +145,7 @@ def test_the_coordinator_hands_serve_its_engine_counts() -> None:
         load.MAX_NUM_SEQS,
         load.QUEUE_WAIT_S,
         load.TOKENS_PER_STEP,
+        load.NO_DRAFT_SHARE,
     }
     assert report[load.MAX_NUM_SEQS] == CONFIG.engine.max_num_seqs
     assert all(isinstance(value, float) for value in report.values())

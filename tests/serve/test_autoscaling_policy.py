@@ -20,13 +20,16 @@ BAND = SpeculationScalingConfig()  # target 0.75, scale up above 1.0, down below
 UP_DELAY_S, DOWN_DELAY_S = 5.0, 20.0
 
 
-def group(running: float, waiting: float = 0.0, wait_s: float = 0.0, tau: float = 3.0) -> dict[str, float]:
+def group(
+    running: float, waiting: float = 0.0, wait_s: float = 0.0, tau: float = 3.0, no_draft: float = 0.0
+) -> dict[str, float]:
     return {
         load.RUNNING: running,
         load.WAITING: waiting,
         load.MAX_NUM_SEQS: SLOTS,
         load.QUEUE_WAIT_S: wait_s,
         load.TOKENS_PER_STEP: tau,
+        load.NO_DRAFT_SHARE: no_draft,
     }
 
 
@@ -154,6 +157,34 @@ def test_tau_collapsing_under_load_adds_a_group_only_when_enabled() -> None:
     idle = Controller(new_policy(min_tokens_per_step=1.5), num_replicas=1)
     idle.tick(0.0, idle_plain)
     assert idle.tick(UP_DELAY_S, idle_plain) == 1
+
+
+def test_the_budget_falling_to_no_draft_under_load_adds_a_group_only_when_enabled() -> None:
+    busy_plain = [group(running=3, tau=1.4, no_draft=0.8)]  # slot demand 0.75: inside the band
+    enabled = Controller(new_policy(max_no_draft_share=0.5), num_replicas=1)
+    assert enabled.tick(0.0, busy_plain) == 1  # wanted, not yet for the whole delay
+    assert enabled.tick(UP_DELAY_S, busy_plain) == 2
+    disabled = Controller(new_policy(), num_replicas=1)  # the default: today's behaviour
+    disabled.tick(0.0, busy_plain)
+    assert disabled.tick(UP_DELAY_S, busy_plain) == 1
+    for groups in (
+        [group(running=1, no_draft=0.8)],  # little load: plain steps are cheap, not a capacity problem
+        [group(running=3, no_draft=0.4)],  # under load but the budget mostly drafts
+    ):
+        held = Controller(new_policy(max_no_draft_share=0.5), num_replicas=1)
+        held.tick(0.0, groups)
+        assert held.tick(UP_DELAY_S, groups) == 1
+
+
+def test_reports_weight_the_no_draft_share_by_running_requests() -> None:
+    reports = GroupReports.from_metrics(
+        metrics_of(
+            [group(running=3, no_draft=1.0), group(running=1, no_draft=0.0), group(running=0, no_draft=1.0)]
+        )
+    )
+    assert reports is not None and reports.no_draft_share == pytest.approx(0.75)
+    idle = GroupReports.from_metrics(metrics_of([group(running=0, no_draft=1.0)]))
+    assert idle is not None and idle.no_draft_share == 0.0
 
 
 def test_groups_still_starting_are_not_asked_for_twice() -> None:

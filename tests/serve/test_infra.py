@@ -134,5 +134,14 @@ def test_grafana_dashboard_shows_the_autoscaling_policys_inputs_and_decisions() 
     dashboard = json.loads((ROOT / "infra" / "grafana-dashboard.json").read_text())
     exprs = " ".join(target["expr"] for panel in dashboard["panels"] for target in panel["targets"])
     policy_metrics = set(re.findall(r'"(ddtree_autoscaling_[a-z_]+)"', Path(metrics.__file__).read_text()))
-    assert len(policy_metrics) == 5
+    assert len(policy_metrics) == 6
     assert all(f"ray_{name}" in exprs for name in policy_metrics), policy_metrics
+
+
+def test_grafana_dashboard_shows_the_adaptive_budgets_choice_and_its_calibration() -> None:
+    dashboard = json.loads((ROOT / "infra" / "grafana-dashboard.json").read_text())
+    exprs = " ".join(target["expr"] for panel in dashboard["panels"] for target in panel["targets"])
+    budget_metrics = ("budget_nodes", "budget_no_draft_steps", "predicted_acceptance", "actual_acceptance")
+    for name in (*budget_metrics, "calibration_abs_error"):
+        assert f'"ddtree_{name}"' in Path(metrics.__file__).read_text(), name
+        assert f"ray_ddtree_{name}" in exprs, name

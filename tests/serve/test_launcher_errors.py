@@ -76,6 +76,8 @@ def test_joining_a_cluster_deletes_only_this_app_on_exit(monkeypatch: pytest.Mon
         (["--max-queue-len", "-1"], "engine.max_queue_len"),
         (["--max-model-len", "8"], "engine.max_seq_len"),
         (["--max-num-batched-tokens", "0"], "engine.max_num_batched_tokens"),
+        (["--budget-policy", "adaptive", "--mode", "chain"], "needs mode 'ddtree'"),
+        (["--budget-policy", "adaptive", "--cost-curve", "/nonexistent/costs.json"], "No such file"),
     ],
 )
 def test_bad_flag_values_print_one_line_and_exit_2(
@@ -133,5 +135,29 @@ def test_serve_help_shows_the_default_of_every_flag_that_has_one() -> None:
         ("--budget", "32"),
         ("--device", "cpu"),
         ("--max-num-seqs", "8"),
+        ("--budget-policy", "fixed"),
     ):
         assert f"(default: {value})" in str(help_of[flag])
+
+
+def test_budget_flags_reach_the_engine_config_with_the_cost_file_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    engine = config_from_args(serve_args("--budget-policy", "adaptive", "--cost-curve", "costs.json")).engine
+    assert engine.budget_policy == "adaptive" and engine.cost_curve == str(tmp_path / "costs.json")
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("engine: {budget_policy: adaptive, cost_curve: /costs/h200.json}\n")
+    from_file = config_from_args(serve_args("--config", str(config_file))).engine
+    assert (from_file.budget_policy, from_file.cost_curve) == ("adaptive", "/costs/h200.json")
+    assert config_from_args(serve_args()).engine.budget_policy == "fixed"
+
+
+def test_a_cost_curve_that_does_not_load_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "costs.json"
+    broken.write_text('{"tokens": [1, 8], "ms": [2.0, 1.0, 3.0]}')  # three times for two points
+    assert main(["serve", "--budget-policy", "adaptive", "--cost-curve", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ddtree-serve serve: error: cost curve {broken}:") and err.count("\n") == 1

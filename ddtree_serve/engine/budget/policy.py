@@ -29,8 +29,23 @@ class BudgetStep:
 
     drafted: bool
     num_nodes: tuple[int, ...]  # draft nodes verified per request
-    predicted_accepted: float  # calibrated expected accepted draft tokens, whole batch
-    accepted: int  # accepted draft tokens, whole batch
+    predicted_per_request: tuple[float, ...]  # calibrated expected accepted draft tokens (0: no draft)
+    accepted_per_request: tuple[int, ...]  # draft tokens verification accepted
+
+    @property
+    def predicted_accepted(self) -> float:
+        """Calibrated expected accepted draft tokens, whole batch."""
+        return sum(self.predicted_per_request)
+
+    @property
+    def accepted(self) -> int:
+        """Accepted draft tokens, whole batch."""
+        return sum(self.accepted_per_request)
+
+    @property
+    def calibration_error(self) -> float:
+        """Predicted minus accepted draft tokens per request (> 0: the forecast was too hopeful)."""
+        return (self.predicted_accepted - self.accepted) / len(self.num_nodes)
 
 
 class AdaptiveBudget:
@@ -94,8 +109,10 @@ class AdaptiveBudget:
         self.last_step = BudgetStep(
             drafted=drafted,
             num_nodes=tuple(tree.num_nodes - 1 for tree in trees),
-            predicted_accepted=sum(self._allocation.expected_accepted) if drafted else 0.0,
-            accepted=sum(len(nodes) for nodes in accepted_nodes),
+            predicted_per_request=(
+                self._allocation.expected_accepted if self._allocation is not None else (0.0,) * batch_size
+            ),
+            accepted_per_request=tuple(len(nodes) for nodes in accepted_nodes),
         )
         self._draft_ms = self._verify_ms = self._allocation = None
         return self.last_step
