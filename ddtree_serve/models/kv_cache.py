@@ -117,9 +117,7 @@ class SlotKVCache:
         if self.values is not None:
             self.values[layer].index_put_((slot_rows, positions), values)
 
-    def read(
-        self, layer: int, slots: "SlotIndex", num_rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def read(self, layer: int, slots: "SlotIndex", num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows `[0, num_rows)` of each slot: `[B, num_rows, kv_heads, head_dim]` (views when contiguous).
 
         Values are None in a keys-only cache.
