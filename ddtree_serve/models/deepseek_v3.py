@@ -401,16 +401,23 @@ class MultiHeadLatentAttention(nn.Module):
         Absorbed weights (DeepSeek-V2's trick): head h's nope score `q_nope . (W_UK[h] c)` equals
         `(q_nope W_UK[h]) . c`, so W_UK folds into the query, and its output
         `sum_s p_s W_UV[h] c_s` equals `W_UV[h] sum_s p_s c_s`, so W_UV applies after attention.
-        Every head then attends one shared key (latent + RoPE part) and value (the latent): no
-        per-head key or value is ever built for the cached rows.
+        Every head then attends one shared key (latent + RoPE part) and value (the latent), so the
+        heads run as query rows of a single attention head: no per-head key or value is built
+        for the cached rows, and the cache is read once for all heads.
         """
+        batch, num_tokens = q_nope.shape[:2]
+        num_rows = self.num_heads * num_tokens
         w_uk, w_uv = self._head_weights()
-        q_latent = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, h, kv_lora_rank]
-        q = torch.cat((q_latent, q_rope), dim=-1).transpose(1, 2)  # [B, h, T, kv_lora_rank + rope]
-        keys = cached[:, None].expand(-1, self.num_heads, -1, -1)  # [B, h, S, kv_lora_rank + rope], a view
-        values = keys[..., : self.kv_lora_rank]  # [B, h, S, kv_lora_rank]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=self.scale)
-        return torch.einsum("bhtr,hvr->bthv", out, w_uv)  # [B, T, h, v]
+        q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk)  # [B, h, T, kv_lora_rank]
+        q = torch.cat((q_latent, q_rope.transpose(1, 2)), dim=-1)  # [B, h, T, kv_lora_rank + rope]
+        keys = cached[:, None]  # [B, 1, S, kv_lora_rank + rope]
+        values = keys[..., : self.kv_lora_rank]  # [B, 1, S, kv_lora_rank], a view
+        head_mask = mask[:, None].expand(-1, self.num_heads, -1, -1).reshape(mask.shape[0], 1, num_rows, -1)
+        out = F.scaled_dot_product_attention(
+            q.reshape(batch, 1, num_rows, -1), keys, values, attn_mask=head_mask, scale=self.scale
+        )  # [B, 1, h * T, kv_lora_rank]
+        per_head = out.view(batch, self.num_heads, num_tokens, -1)  # [B, h, T, kv_lora_rank]
+        return torch.einsum("bhtr,hvr->bthv", per_head, w_uv)  # [B, T, h, v]
 
 
 class DeepseekV3DecoderLayer(PreNormBlock):
