@@ -10,6 +10,7 @@ decoding over the decompressed cache emits, on the tiny K2.6-format pair.
 """
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.models.deepseek_v3 import DeepseekV3Config
-from ddtree_serve.models.families import MLACache, TargetModel
+from ddtree_serve.models.families import MLA_CACHES, MLACache, TargetModel
 from ddtree_serve.models.loading import load_target_model
 from ddtree_serve.models.parallel import TensorParallel, local_kv_layout
 from ddtree_serve.models.random_weights import write_random_drafter_dir
@@ -92,6 +93,11 @@ def test_k26_cache_entry_shrinks_from_40_kib_to_1152_bytes_per_token_and_layer()
     rank = TensorParallel(3, 8)
     assert local_kv_layout(decompressed, rank).bytes_per_token(torch.bfloat16) == 5 * 1024
     assert local_kv_layout(latent, rank) == latent
+
+
+def test_engine_config_offers_the_runner_caches_latent_first() -> None:
+    field = EngineConfig.model_fields["mla_cache"]
+    assert get_args(field.annotation) == MLA_CACHES and field.default == "latent"
 
 
 def test_latent_cache_gives_the_decompressed_cache_logits_through_verify_and_commit(
