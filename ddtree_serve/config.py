@@ -85,6 +85,13 @@ class EngineConfig(BaseModel):
         description="Run every forward eagerly, without CUDA graphs (vLLM's name; for debugging). "
         "On CUDA the verify and draft forwards replay CUDA graphs otherwise; a CPU is always eager.",
     )
+    mla_cache: Literal["latent", "decompressed"] = Field(
+        default="latent",
+        description="What an MLA target (DeepseekV3, Kimi K2.x) caches per token and layer: "
+        "'latent' the compressed latent (kv_lora_rank + rope dims, 576 values for Kimi K2.6) with "
+        "absorbed-weight attention; 'decompressed' every head's key and value (the reference, "
+        "about 36x the memory for K2.6). Other families ignore it.",
+    )
     default_max_tokens: int = Field(default=128, ge=1, description="max_tokens when a request sets none.")
     default_temperature: float = Field(default=0.0, ge=0.0, description="Temperature when unset; 0 = greedy.")
     default_top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="top_p when unset.")

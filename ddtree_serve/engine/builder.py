@@ -69,6 +69,7 @@ def build_target_step(
         enforce_eager=config.enforce_eager,
         target_layer_ids=target_layer_ids(config),
         tensor_parallel=tensor_parallel,
+        mla_cache=config.mla_cache,
     )
     return TargetStep(runner, resolve_verify_backend(config.verify_backend, config.device), timer)
 

@@ -11,27 +11,36 @@ experts) builds `Int4Experts`, which keep the packed weights; other schemes are 
 Module names and the forward contract mirror `qwen3.py` (HF's `model.embed_tokens`,
 `model.layers.N.self_attn.kv_b_proj`, `model.layers.N.mlp.experts.E.up_proj`, ...), so the same
 `TargetRunner` serves it: prefill, tree verify over a cached prefix, commit and context features
-need nothing family-specific beyond the cache entry shape (`DeepseekV3Config.kv_layout`).
+need nothing family-specific beyond the cache entry shape (`DeepseekV3Config.kv_layout` or
+`latent_kv_layout`).
 
 Multi-head latent attention (MLA), as implemented here: keys/values come from a compressed
 latent (`kv_lora_rank` wide, RMS-normed) expanded per head by `kv_b_proj` into a no-RoPE key part
 (`qk_nope_head_dim`) and a value (`v_head_dim`); a decoupled RoPE key part (`qk_rope_head_dim`)
 is computed once per token and shared by all heads. Queries come from `q_proj`, or, when
 `q_lora_rank` is set, through a normed low-rank bottleneck (`q_a_proj` -> `q_a_layernorm` ->
-`q_b_proj`). The cache stores the *decompressed* per-head keys (nope + rope dims) and values:
-simple and exact, but `num_heads * (qk_nope + qk_rope + v)` numbers per token and layer instead
-of `kv_lora_rank + qk_rope` (for Kimi K2, 64 * 320 = 20480 against 576: about 36x the memory).
-Caching the compressed latent and absorbing `kv_b_proj` into the query and output projections
-(as production MLA kernels do) is the next step.
+`q_b_proj`). Two caches serve it, chosen by the runner (`mla_cache`), each through its own
+attention arithmetic:
+  - latent (the default): per token and layer the normed latent and the rotated RoPE key,
+    `kv_lora_rank + qk_rope` numbers shared by all heads (576 for Kimi K2.6: 1152 bytes in bf16),
+    with `kv_b_proj` absorbed into the query (W_UK) and the output (W_UV), so attention runs over
+    the latent itself, as production MLA kernels do (`MultiHeadLatentAttention._attend_latent`);
+  - decompressed (the reference): every head's key (nope + rope dims) and value,
+    `num_heads * (qk_nope + qk_rope + v)` numbers (64 * 320 = 20480 for K2.6: 40 KiB in bf16,
+    about 36x the latent).
+Without a store (context features, training) the decompressed arithmetic runs.
 
 What was checked (tests/models/test_deepseek_v3.py, float32, CPU, random tiny configs with dense
 first layers, grouped routing, `q_lora_rank` set and null, YaRN and plain RoPE): logits and
 context features equal transformers' `DeepseekV3ForCausalLM` through the runner's prefill and
-decode, and tree verify equals decoding each node's path. Not done for real Kimi K2.6
-checkpoints (none was loaded here): quantized weights other than pack-quantized INT4 experts (e.g.
+decode, and tree verify equals decoding each node's path, with either cache;
+tests/models/test_mla_latent.py checks the latent cache against the decompressed one through
+prefill and rounds of tree verify + commit. Not done for real Kimi K2.6 checkpoints (none was
+loaded here): quantized weights other than pack-quantized INT4 experts (e.g.
 FP8 block scales) are refused at config parsing; no multi-token-prediction (MTP) layers (their
-checkpoint keys are skipped). Tensor parallelism (MLA heads, experts split across the ranks,
-INT4 included) is `parallel.py`'s, tested against TP=1 in tests/models/test_tensor_parallel.py.
+checkpoint keys are skipped). Tensor parallelism (MLA heads split after the latent, so each
+rank caches the whole latent and absorbs its own heads; experts split across the ranks, INT4
+included) is `parallel.py`'s, tested against TP=1 in tests/models/test_tensor_parallel.py.
 tests/models/test_kimi_k25.py checks a tiny `kimi_k25` directory with INT4 experts against
 transformers' DeepseekV3 on the dequantized weights.
 """
@@ -39,7 +48,7 @@ transformers' DeepseekV3 on the dequantized weights.
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +56,7 @@ from torch import nn
 
 from ddtree_serve.models.int4_experts import stack_int4_expert_tensors
 from ddtree_serve.models.kv_cache import KVLayout
-from ddtree_serve.models.layers import MLP, KVStore, PreNormBlock, RMSNorm, apply_rope
+from ddtree_serve.models.layers import MLP, PreNormBlock, RMSNorm, apply_rope
 from ddtree_serve.models.moe import MoE, MoEShape
 from ddtree_serve.models.quantization import (
     PackedInt4Scheme,
@@ -203,6 +212,11 @@ class DeepseekV3Config:
         """Decompressed MLA entries: every head's key (nope + rope dims) and value."""
         return KVLayout(self.num_attention_heads, self.qk_head_dim, self.v_head_dim)
 
+    @property
+    def latent_kv_layout(self) -> KVLayout:
+        """Latent MLA entries: the normed latent and the rotated RoPE key, one vector for all heads."""
+        return KVLayout(1, self.kv_lora_rank + self.qk_rope_head_dim, 0, replicated=True)
+
     def moe_shape(self) -> MoEShape:
         return MoEShape(
             hidden_size=self.hidden_size,
@@ -269,8 +283,23 @@ def softmax_scale(config: DeepseekV3Config) -> float:
     return config.qk_head_dim**-0.5 * yarn_softmax_factor(config.rope_scaling)
 
 
+class MLAKVStore(Protocol):
+    """The `KVStore` an MLA layer writes to; `keys_only` says which entry it caches.
+
+    Decompressed (`keys_only` False): per-head keys `[B, T, h, nope + rope]` and values
+    `[B, T, h, v]`, as `KVStore`. Latent (`keys_only` True): keys `[B, T, 1, kv_lora_rank + rope]`,
+    the normed latent then the rotated RoPE key, and no values (None in, None out).
+    """
+
+    keys_only: bool
+
+    def update(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
 class MultiHeadLatentAttention(nn.Module):
-    """MLA with an explicit boolean mask; hands decompressed per-head K/V to the `KVStore`."""
+    """MLA with an explicit boolean mask, over a latent or a decompressed cache (`MLAKVStore`)."""
 
     def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
         super().__init__()
@@ -313,27 +342,82 @@ class MultiHeadLatentAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor,
-        kv_store: KVStore | None = None,
+        kv_store: MLAKVStore | None = None,
     ) -> torch.Tensor:
-        """`x [B, T, H]`, `cos/sin [B, T, rope_dim]`, `mask [B or 1, T, S]` -> `[B, T, H]`."""
+        """`x [B, T, H]`, `cos/sin [B, T, rope_dim]`, `mask [B or 1, T, S]` -> `[B, T, H]`.
+
+        A keys-only store caches the latent entry and attention runs over it with absorbed
+        weights; any other store (or none) gets the decompressed per-head keys and values.
+        """
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_q else self.q_proj(x)
         q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))  # [B, T, h, nope + rope]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat((q_nope, self._rope(q_rope, cos, sin)), dim=-1)
-
+        q_rope = self._rope(q_rope, cos, sin)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))  # [B, T, h * (nope + v)]
+        latent = self.kv_a_layernorm(latent)  # [B, T, kv_lora_rank]
+        k_rope = self._rope(k_rope[:, :, None], cos, sin)  # [B, T, 1, rope], shared by all heads
+        if kv_store is not None and kv_store.keys_only:
+            entry = torch.cat((latent[:, :, None], k_rope), dim=-1)  # [B, T, 1, kv_lora_rank + rope]
+            cached, _ = kv_store.update(self.layer_idx, entry, None)  # [B, S, 1, kv_lora_rank + rope]
+            out = self._attend_latent(q_nope, q_rope, cached[:, :, 0], mask)
+        else:
+            out = self._attend_decompressed(q_nope, q_rope, latent, k_rope, mask, kv_store)
+        return self.o_proj(out.flatten(2))
+
+    def _head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kv_b_proj` per head as views: W_UK `[h, nope, kv_lora_rank]`, W_UV `[h, v, kv_lora_rank]`."""
+        per_head = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope_dim + self.v_dim))
+        w_uk, w_uv = per_head.split([self.nope_dim, self.v_dim], dim=1)
+        return w_uk, w_uv
+
+    def _attend_decompressed(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        mask: torch.Tensor,
+        kv_store: MLAKVStore | None,
+    ) -> torch.Tensor:
+        """Expand the latent into per-head keys and values, cache those, attend -> `[B, T, h, v]`."""
+        kv = self.kv_b_proj(latent)  # [B, T, h * (nope + v)]
         k_nope, v = kv.unflatten(-1, (self.num_heads, self.nope_dim + self.v_dim)).split(
             [self.nope_dim, self.v_dim], dim=-1
         )
-        k_rope = self._rope(k_rope[:, :, None], cos, sin)  # [B, T, 1, rope], shared by all heads
+        q = torch.cat((q_nope, q_rope), dim=-1)  # [B, T, h, nope + rope]
         k = torch.cat((k_nope, k_rope.expand(-1, -1, self.num_heads, -1)), dim=-1)  # [B, T, h, nope + rope]
         if kv_store is not None:
             k, v = kv_store.update(self.layer_idx, k, v)  # [B, S, h, nope + rope], [B, S, h, v]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=self.scale
         )  # [B, h, T, v]
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        return out.transpose(1, 2)
+
+    def _attend_latent(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, cached: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention over cached latent entries `[B, S, kv_lora_rank + rope]` -> `[B, T, h, v]`.
+
+        Absorbed weights (DeepSeek-V2's trick): head h's nope score `q_nope . (W_UK[h] c)` equals
+        `(q_nope W_UK[h]) . c`, so W_UK folds into the query, and its output
+        `sum_s p_s W_UV[h] c_s` equals `W_UV[h] sum_s p_s c_s`, so W_UV applies after attention.
+        Every head then attends one shared key (latent + RoPE part) and value (the latent), so the
+        heads run as query rows of a single attention head: no per-head key or value is built
+        for the cached rows, and the cache is read once for all heads.
+        """
+        batch, num_tokens = q_nope.shape[:2]
+        num_rows = self.num_heads * num_tokens
+        w_uk, w_uv = self._head_weights()
+        q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk)  # [B, h, T, kv_lora_rank]
+        q = torch.cat((q_latent, q_rope.transpose(1, 2)), dim=-1)  # [B, h, T, kv_lora_rank + rope]
+        keys = cached[:, None]  # [B, 1, S, kv_lora_rank + rope]
+        values = keys[..., : self.kv_lora_rank]  # [B, 1, S, kv_lora_rank], a view
+        head_mask = mask[:, None].expand(-1, self.num_heads, -1, -1).reshape(mask.shape[0], 1, num_rows, -1)
+        out = F.scaled_dot_product_attention(
+            q.reshape(batch, 1, num_rows, -1), keys, values, attn_mask=head_mask, scale=self.scale
+        )  # [B, 1, h * T, kv_lora_rank]
+        per_head = out.view(batch, self.num_heads, num_tokens, -1)  # [B, h, T, kv_lora_rank]
+        return torch.einsum("bhtr,hvr->bthv", per_head, w_uv)  # [B, T, h, v]
 
 
 class DeepseekV3DecoderLayer(PreNormBlock):

@@ -5,22 +5,27 @@ The family is picked once, from `model_type`, when a directory is loaded; everyt
 share: `model(input_ids, positions, mask, kv_store, output_layer_ids) -> DecoderOutput`,
 `model.logits(hidden)`, and a config with `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `tie_word_embeddings`, `eos_token_ids` and `kv_layout`. Adding a family is one entry here.
+`cache_layout` picks the cache entry a runner allocates (for MLA, the latent or the decompressed).
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
 from ddtree_serve.models import deepseek_v3, qwen3
 from ddtree_serve.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from ddtree_serve.models.kv_cache import KVLayout
 from ddtree_serve.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 TargetConfig = Qwen3Config | DeepseekV3Config
 TargetModel = Qwen3ForCausalLM | DeepseekV3ForCausalLM
 
 ConfigT = TypeVar("ConfigT", Qwen3Config, DeepseekV3Config)
+# what an MLA target caches per token: the compressed latent, or every head's decompressed K/V
+MLACache = Literal["latent", "decompressed"]
+MLA_CACHES: tuple[MLACache, ...] = ("latent", "decompressed")
 
 
 def _requested_dtype(config: Any, key: str, dtype: torch.dtype) -> torch.dtype | None:
@@ -73,3 +78,10 @@ def target_family(config: dict[str, Any]) -> TargetFamily:
             return family
     supported = sorted(t for family in FAMILIES for t in family.model_types)
     raise ValueError(f"unsupported model_type {model_type!r} (supported: {supported})")
+
+
+def cache_layout(config: TargetConfig, mla_cache: MLACache) -> KVLayout:
+    """The cache entry of a target: `mla_cache` for MLA families, the family's K/V for the others."""
+    if isinstance(config, DeepseekV3Config) and mla_cache == "latent":
+        return config.latent_kv_layout
+    return config.kv_layout

@@ -1,8 +1,9 @@
 """A preallocated key/value cache with a fixed number of request slots.
 
 Layout: `keys` `[layers, slots, max_seq_len, kv_heads, head_dim]` and `values` the same with
-`value_head_dim` last (equal to `head_dim` except for MLA's decompressed K/V); slot s holds
-`length(s)` committed entries at rows `[0, length(s))`. Rows past the length are scratch:
+`value_head_dim` last (equal to `head_dim` except for MLA's decompressed K/V), or no `values` at
+all for a keys-only cache (MLA's latent: one entry per token that attention reads as both key and
+value); slot s holds `length(s)` committed entries at rows `[0, length(s))`. Rows past the length are scratch:
 a tree verification writes its nodes there, and `compact` moves the accepted ones down.
 Optional scratch slots after the request slots (`scratch_slots`) hold no request: a CUDA graph
 padded to a larger batch sends its padding rows' writes there.
@@ -18,11 +19,21 @@ import torch
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Per-layer, per-token cache entry of a model family: `num_heads` keys and values per token."""
+    """Per-layer, per-token cache entry of a model family: `num_heads` keys and values per token.
+
+    `value_dim = 0`: keys only, no values tensor (MLA's latent). `replicated`: the entry is shared
+    by all attention heads (MLA's latent, computed before the heads split), so every
+    tensor-parallel rank caches it whole instead of its share of the heads.
+    """
 
     num_heads: int
     key_dim: int
     value_dim: int
+    replicated: bool = False
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token's entry takes in one layer's cache."""
+        return self.num_heads * (self.key_dim + self.value_dim) * dtype.itemsize
 
 
 class SlotKVCache:
@@ -41,14 +52,16 @@ class SlotKVCache:
         value_head_dim: int | None = None,
         scratch_slots: int = 0,
     ) -> None:
-        """`value_head_dim`: size of a value head when it differs from a key head (None: `head_dim`).
+        """`value_head_dim`: size of a value head when it differs from a key head (None: `head_dim`;
+        0: keys only, `values` is None).
 
         `scratch_slots`: extra slots past the last request slot (indices `num_slots ..`), never
         handed to a request; their rows take writes that nothing reads back.
         """
         shape = (num_layers, num_slots + scratch_slots, max_seq_len, num_kv_heads)
         self.keys = torch.zeros((*shape, head_dim), dtype=dtype, device=device)
-        self.values = torch.zeros((*shape, value_head_dim or head_dim), dtype=dtype, device=device)
+        value_dim = head_dim if value_head_dim is None else value_head_dim
+        self.values = torch.zeros((*shape, value_dim), dtype=dtype, device=device) if value_dim else None
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self._lengths = [0] * num_slots
@@ -56,6 +69,11 @@ class SlotKVCache:
     @property
     def device(self) -> torch.device:
         return self.keys.device
+
+    @property
+    def keys_only(self) -> bool:
+        """One tensor per entry, no values (MLA's latent cache)."""
+        return self.values is None
 
     def release(self, slot: int) -> None:
         self._lengths[slot] = 0
@@ -89,16 +107,24 @@ class SlotKVCache:
         slot_rows: torch.Tensor,
         positions: torch.Tensor,
         keys: torch.Tensor,
-        values: torch.Tensor,
+        values: torch.Tensor | None,
     ) -> None:
-        """Store `keys/values [..., kv_heads, head_dim or value_head_dim]` at `(slot_rows, positions)`."""
-        self.keys[layer].index_put_((slot_rows, positions), keys)
-        self.values[layer].index_put_((slot_rows, positions), values)
+        """Store `keys/values [..., kv_heads, head_dim or value_head_dim]` at `(slot_rows, positions)`.
 
-    def read(self, layer: int, slots: "SlotIndex", num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows `[0, num_rows)` of each slot: `[B, num_rows, kv_heads, head_dim]` (views when contiguous)."""
+        `values` is None exactly when the cache is keys-only.
+        """
+        self.keys[layer].index_put_((slot_rows, positions), keys)
+        if self.values is not None:
+            self.values[layer].index_put_((slot_rows, positions), values)
+
+    def read(self, layer: int, slots: "SlotIndex", num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows `[0, num_rows)` of each slot: `[B, num_rows, kv_heads, head_dim]` (views when contiguous).
+
+        Values are None in a keys-only cache.
+        """
         index = slots.index
-        return self.keys[layer, index, :num_rows], self.values[layer, index, :num_rows]
+        values = None if self.values is None else self.values[layer, index, :num_rows]
+        return self.keys[layer, index, :num_rows], values
 
     def compact(
         self, slots: Sequence[int], keep_offsets: torch.Tensor, num_kept: Sequence[int] | None = None
@@ -123,10 +149,9 @@ class SlotKVCache:
         dst = starts + columns  # [B, D+1]
         src = torch.where(offsets >= 0, starts + offsets, dst)
         rows = rows.expand(-1, width)
-        moved_keys = self.keys[:, rows, src]  # [layers, B, D+1, kv_heads, head_dim], a copy
-        moved_values = self.values[:, rows, src]
-        self.keys[:, rows, dst] = moved_keys
-        self.values[:, rows, dst] = moved_values
+        for tensor in (self.keys, self.values):
+            if tensor is not None:
+                tensor[:, rows, dst] = tensor[:, rows, src]  # the gather is a copy: [layers, B, D+1, ...]
         return self.append(slots, num_kept)
 
 
@@ -161,6 +186,8 @@ class SlotIndex:
 class CacheWriter:
     """`KVStore` for one forward: writes fresh K/V at given rows, returns each slot's first `num_rows`.
 
+    Over a keys-only cache the layers hand it keys alone (`values` None) and get None back.
+
     `positions [B, T]`: cache rows of the T new tokens per slot; the attention mask's
     columns are then cache rows `[0, num_rows)`.
     """
@@ -172,8 +199,12 @@ class CacheWriter:
         self.positions = positions
         self.num_rows = num_rows
 
+    @property
+    def keys_only(self) -> bool:
+        return self.cache.keys_only
+
     def update(
-        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.cache.write(layer_idx, self.slot_rows, self.positions, keys, values)
         return self.cache.read(layer_idx, self.slots, self.num_rows)

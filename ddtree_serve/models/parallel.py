@@ -7,7 +7,8 @@ a slice of the weights and one collective joins the slices where a layer needs t
   - attention by heads: q/k/v column-parallel (each rank its heads), o_proj row-parallel with an
     all-reduce. For MLA the latent projections (`q_a_proj`, `kv_a_proj_with_mqa`, their norms)
     are replicated and the per-head expansions (`q_proj` / `q_b_proj`, `kv_b_proj`) split by head.
-    Each rank caches its own heads (`local_kv_layout`).
+    Each rank caches its own heads (`local_kv_layout`), or, for MLA's latent cache, the whole
+    latent (the same on every rank), over which it absorbs its own heads' `kv_b_proj` rows.
   - dense MLP: gate/up column-parallel, down row-parallel with an all-reduce.
   - MoE: the router is replicated; routed experts are split across ranks (expert parallel inside
     the group: rank r holds a contiguous block of experts), shared experts column/row split, and
@@ -110,7 +111,10 @@ def join_group(spec: RankSpec, device: str) -> TensorParallel:
 
 
 def local_kv_layout(layout: KVLayout, tp: TensorParallel) -> KVLayout:
-    """The cache entry of this rank: its share of the attention (or MLA) heads."""
+    """The cache entry of this rank: its share of the attention (or MLA) heads; a replicated
+    entry (MLA's latent) whole."""
+    if layout.replicated:
+        return layout
     start, stop = tp.even_part(layout.num_heads, "cached heads")
     return KVLayout(stop - start, layout.key_dim, layout.value_dim)
 

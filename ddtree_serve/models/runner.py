@@ -10,6 +10,10 @@ writer of lengths; `commit` returns the new ones.
 
 On CUDA, verify replays CUDA graphs per bucket (`target_graphs`); `enforce_eager` keeps every
 forward eager. Prefill is always eager (one per request, of any length).
+
+An MLA target (DeepseekV3 / Kimi K2) caches its compressed latent by default (`mla_cache`); the
+model's attention follows the cache it is handed (`deepseek_v3.MLAKVStore`), so the same model
+can run over either cache.
 """
 
 from collections.abc import Sequence
@@ -18,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree_serve.models.families import TargetConfig, TargetModel
+from ddtree_serve.models.families import MLACache, TargetConfig, TargetModel, cache_layout
 from ddtree_serve.models.kv_cache import CacheWriter, SlotIndex, SlotKVCache
 from ddtree_serve.models.layers import avoid_per_shape_attention_plans, causal_mask
 from ddtree_serve.models.loading import load_target_model, read_eos_token_ids
@@ -43,13 +47,16 @@ class TargetRunner:
         eos_token_ids: Sequence[int] = (),
         enforce_eager: bool = False,
         tensor_parallel: TensorParallel | None = None,
+        mla_cache: MLACache = "latent",
     ) -> None:
         """`target_layer_ids`: decoder layers whose outputs form the context features (None: F = 0).
 
         `enforce_eager`: no CUDA graphs. Graphs are used on CUDA for the dense families only;
         the MoE reference routes tokens on the host, which a graph cannot capture.
         `tensor_parallel`: the group `model` is this rank's shard of (None: the whole model); the
-        cache then holds this rank's heads, and verify runs eagerly (collectives are not captured).
+        cache then holds this rank's heads (or the whole MLA latent), and verify runs eagerly
+        (collectives are not captured).
+        `mla_cache`: what an MLA target caches, "latent" or "decompressed" (ignored by other families).
         """
         first = next(model.parameters())
         self.model = model
@@ -60,7 +67,7 @@ class TargetRunner:
         self.eos_token_ids = tuple(eos_token_ids) or self.config.eos_token_ids
         avoid_per_shape_attention_plans(self.device)
         tp = tensor_parallel or TensorParallel.single()
-        layout = local_kv_layout(self.config.kv_layout, tp)
+        self.kv_layout = local_kv_layout(cache_layout(self.config, mla_cache), tp)  # this rank's entry
         use_graphs = (
             self.device.type == "cuda"
             and not enforce_eager
@@ -71,9 +78,9 @@ class TargetRunner:
             num_layers=self.config.num_hidden_layers,
             num_slots=num_slots,
             max_seq_len=max_seq_len,
-            num_kv_heads=layout.num_heads,
-            head_dim=layout.key_dim,
-            value_head_dim=layout.value_dim,
+            num_kv_heads=self.kv_layout.num_heads,
+            head_dim=self.kv_layout.key_dim,
+            value_head_dim=self.kv_layout.value_dim,
             dtype=self.dtype,
             device=self.device,
             scratch_slots=1 if use_graphs else 0,
@@ -96,6 +103,7 @@ class TargetRunner:
         target_layer_ids: Sequence[int] | None = None,
         enforce_eager: bool = False,
         tensor_parallel: TensorParallel | None = None,
+        mla_cache: MLACache = "latent",
     ) -> "TargetRunner":
         """`tensor_parallel`: load only this rank's shard of the checkpoint (None: the whole model)."""
         model = load_target_model(path, dtype=dtype, device=device, tensor_parallel=tensor_parallel)
@@ -107,6 +115,7 @@ class TargetRunner:
             eos_token_ids=read_eos_token_ids(path),
             enforce_eager=enforce_eager,
             tensor_parallel=tensor_parallel,
+            mla_cache=mla_cache,
         )
 
     @property

@@ -3,7 +3,8 @@
 Two random tiny configs cover the switches: `lora_q_yarn` (q_lora_rank set, YaRN RoPE with a
 softmax mscale, interleaved RoPE, 4 expert groups of which 2 stay eligible, one dense layer)
 and `kimi_plain` (q_lora_rank null, plain half-split RoPE, one group, unnormalised top-k
-weights, two shared experts, two dense layers, model_type "kimi_k2", tied embeddings).
+weights, two shared experts, two dense layers, model_type "kimi_k2", tied embeddings). The
+runner checks run over both MLA caches (latent and decompressed).
 """
 
 import json
@@ -16,6 +17,7 @@ import transformers
 from safetensors.torch import save_file
 
 from ddtree_serve.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from ddtree_serve.models.families import MLA_CACHES, MLACache
 from ddtree_serve.models.loading import load_target_model
 from ddtree_serve.models.runner import TargetRunner
 from tests.models.runner_checks import (
@@ -102,19 +104,29 @@ def hf_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return path, save_hf_deepseek_v3(path, request.param)
 
 
-def test_prefill_and_decode_match_transformers(hf_dir: tuple[Path, object]) -> None:
+@pytest.mark.parametrize("mla_cache", MLA_CACHES)
+def test_prefill_and_decode_match_transformers(hf_dir: tuple[Path, object], mla_cache: MLACache) -> None:
     path, hf_model = hf_dir
-    runner = TargetRunner.from_pretrained(path, num_slots=2, max_seq_len=64, target_layer_ids=LAYER_IDS)
+    runner = TargetRunner.from_pretrained(
+        path, num_slots=2, max_seq_len=64, target_layer_ids=LAYER_IDS, mla_cache=mla_cache
+    )
     assert isinstance(runner.model, DeepseekV3ForCausalLM)
     assert runner.eos_token_ids == (5,)
-    # decompressed MLA entries: 4 heads, keys 16 + 8 wide, values 20 wide
-    assert runner.cache.keys.shape[-2:] == (4, 24) and runner.cache.values.shape[-2:] == (4, 20)
+    if mla_cache == "decompressed":  # decompressed MLA entries: 4 heads, keys 16 + 8 wide, values 20 wide
+        assert runner.cache.keys.shape[-2:] == (4, 24) and runner.cache.values.shape[-2:] == (4, 20)
+    else:  # one latent entry per token: kv_lora_rank 32 + rope 8, no values
+        assert runner.cache.keys.shape[-2:] == (1, 40) and runner.cache.values is None
     ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     check_prefill_and_decode_match_hf(runner, hf_model, ids, num_prompt=12, slot=1)
 
 
-def test_verify_matches_path_decoding_then_commit_continues(hf_dir: tuple[Path, object]) -> None:
-    runner = TargetRunner.from_pretrained(hf_dir[0], num_slots=4, max_seq_len=48, target_layer_ids=LAYER_IDS)
+@pytest.mark.parametrize("mla_cache", MLA_CACHES)
+def test_verify_matches_path_decoding_then_commit_continues(
+    hf_dir: tuple[Path, object], mla_cache: MLACache
+) -> None:
+    runner = TargetRunner.from_pretrained(
+        hf_dir[0], num_slots=4, max_seq_len=48, target_layer_ids=LAYER_IDS, mla_cache=mla_cache
+    )
     check_verify_matches_path_decoding_then_commit(runner, seed=7)
 
 

@@ -1,8 +1,9 @@
 """Kimi K2.6 as it ships (`kimi_k25`, INT4 pack-quantized experts) through TargetRunner.
 
 The reference is transformers' DeepseekV3 run on the dequantized weights (compressed-tensors'
-own decompression): prefill, decode and tree verify give the same logits within float32
-tolerance, while the routed experts stay packed int32 in memory.
+own decompression): prefill, decode and tree verify (over the latent MLA cache, the runner's
+default) give the same logits within float32 tolerance, while the routed experts stay packed
+int32 in memory.
 """
 
 import json

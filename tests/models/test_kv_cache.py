@@ -54,3 +54,20 @@ def test_writer_reads_the_same_rows_for_contiguous_and_gathered_slots() -> None:
             assert torch.equal(keys[b], cache.keys[1, slot, :9])
             assert torch.equal(keys[b, positions[b]], fresh[b])
             assert torch.equal(values[b, positions[b]], -fresh[b])
+
+
+def test_keys_only_cache_compacts_its_one_tensor_and_reads_no_values() -> None:
+    """MLA's latent cache: `value_head_dim=0` allocates no values; writes, reads and moves keys alone."""
+    cache = SlotKVCache(
+        num_layers=2, num_slots=2, max_seq_len=8, num_kv_heads=1, head_dim=5, value_head_dim=0,
+        dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    assert cache.keys_only and cache.values is None
+    positions = torch.arange(6)[None]  # [1, 6]: a prefix of 2 rows and a 4-node tree behind it
+    fresh = torch.randn(1, 6, 1, 5, generator=torch.Generator().manual_seed(0))
+    writer = CacheWriter(cache, SlotIndex([1], cache.device), positions, num_rows=6)
+    keys, values = writer.update(0, fresh, None)
+    assert values is None and torch.equal(keys, fresh)
+    cache.append([1], [2])
+    assert cache.compact([1], torch.tensor([[0, 3, -1]])) == [4]
+    assert torch.equal(cache.keys[0, 1, :4], fresh[0, [0, 1, 2, 5]])

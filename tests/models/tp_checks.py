@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed
 
+from ddtree_serve.models.families import MLACache
 from ddtree_serve.models.parallel import RankSpec, join_group
 from ddtree_serve.models.runner import TargetRunner
 from tests.models.trees import path_to, random_parents, tree_inputs
@@ -20,6 +21,11 @@ LAYER_IDS = (0, 2)
 
 
 Tree = tuple[list[int], list[int]]  # (token ids, parents), as `tree_inputs` takes it
+Case = tuple[Path, MLACache]  # a model directory and the MLA cache to run it over
+
+
+def case_name(case: Case) -> str:
+    return f"{case[0].name}/{case[1]}"
 
 
 def _random_trees(vocab: int, sizes: tuple[int, ...], gen: torch.Generator) -> list[Tree]:
@@ -56,12 +62,14 @@ def drive_runner(runner: TargetRunner, seed: int = 0) -> dict[str, torch.Tensor]
 
 
 def shard_summary(runner: TargetRunner) -> dict[str, int]:
-    """What this rank holds: parameter count, embedding rows, routed experts of the first MoE layer."""
+    """What this rank holds: parameter count, embedding rows, cache heads (and whether the cache entry
+    is replicated, as MLA's latent), routed experts of the first MoE layer."""
     model = runner.model
     summary = {
         "num_values": sum(t.numel() for t in model.state_dict().values()),
         "embed_rows": model.model.embed_tokens.weight.shape[0],
         "cached_heads": runner.cache.keys.shape[3],
+        "cache_replicated": int(runner.kv_layout.replicated),
     }
     for layer in model.model.layers:
         experts = getattr(layer.mlp, "experts", None)
@@ -72,19 +80,25 @@ def shard_summary(runner: TargetRunner) -> dict[str, int]:
     return summary
 
 
-def build_runner(model_dir: Path, tensor_parallel: object = None) -> TargetRunner:
+def build_runner(case: Case, tensor_parallel: object = None) -> TargetRunner:
+    model_dir, mla_cache = case
     return TargetRunner.from_pretrained(
-        model_dir, num_slots=4, max_seq_len=64, target_layer_ids=LAYER_IDS, tensor_parallel=tensor_parallel
+        model_dir,
+        num_slots=4,
+        max_seq_len=64,
+        target_layer_ids=LAYER_IDS,
+        tensor_parallel=tensor_parallel,
+        mla_cache=mla_cache,
     )
 
 
-def rank_main(rank: int, world_size: int, init_method: str, model_dirs: list[Path], out_dir: Path) -> None:
-    """One rank: join the gloo group, run the scenario on every model, save what it saw."""
+def rank_main(rank: int, world_size: int, init_method: str, cases: list[Case], out_dir: Path) -> None:
+    """One rank: join the gloo group, run the scenario on every case, save what it saw."""
     torch.set_num_threads(1)
     tp = join_group(RankSpec(rank, world_size, init_method, timeout_s=120.0), "cpu")
     saved = {}
-    for model_dir in model_dirs:
-        runner = build_runner(model_dir, tp)
-        saved[model_dir.name] = {"results": drive_runner(runner), "summary": shard_summary(runner)}
+    for case in cases:
+        runner = build_runner(case, tp)
+        saved[case_name(case)] = {"results": drive_runner(runner), "summary": shard_summary(runner)}
     torch.save(saved, out_dir / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
