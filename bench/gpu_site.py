@@ -83,7 +83,11 @@ def unpack(wheel_dir: Path, site: Path) -> None:
     """A wheel is a zip of its installed files: unpacking it is `pip install --target`."""
     for wheel in sorted(wheel_dir.glob("*.whl")):
         with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(site)
+            for info in archive.infolist():
+                path = Path(archive.extract(info, site))
+                mode = info.external_attr >> 16  # Unix mode bits; extract() drops them
+                if mode & 0o111 and path.is_file():
+                    path.chmod(path.stat().st_mode | 0o755)  # Ray's gcs_server, raylet, ...
     for relative in DROPPED_DIRS:
         shutil.rmtree(site / relative, ignore_errors=True)
     for path in site.rglob("*"):

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from ddtree_serve.engine.interfaces import TargetUnavailableError
 from ddtree_serve.engine.outputs import CompletionOutput, Detokenizer
 from ddtree_serve.engine.request import RequestOutput
 from ddtree_serve.engine.sampling_params import SamplingParams
@@ -24,7 +25,14 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down, or a step raised); no request can run."""
+    """The engine thread stopped (shut down, or a step raised); no request can run.
+
+    `cause` is what a step raised (None: shut down), so a server can tell a lost model
+    (`TargetUnavailableError`: retriable elsewhere) from a bug."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -137,7 +145,7 @@ class AsyncLLM:
             # Checked under the lock the dying thread takes to fail open streams: a stream
             # registered after that would wait forever.
             if self._error is not None or not self._thread.is_alive():
-                raise EngineDeadError(f"the engine is not running: {self._error!r}")
+                raise EngineDeadError(f"the engine is not running: {self._error!r}", _cause(self._error))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             # engine.num_waiting is read across threads: a slightly stale count is fine for a limit.
@@ -166,13 +174,17 @@ class AsyncLLM:
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
         except BaseException as error:  # every open stream must learn why it ends
-            if not isinstance(error, EngineDeadError):
+            if isinstance(error, TargetUnavailableError):
+                logger.error("engine stopped: %s; failing every open request", error)
+            elif not isinstance(error, EngineDeadError):
                 logger.exception("engine step failed; failing every open request")
             with self._streams_lock:
                 self._error = error
                 streams = list(self._streams.values())
             for stream in streams:
-                stream.put(error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error)))
+                stream.put(
+                    error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error), error)
+                )
 
     def _drain_commands(self, block: bool) -> list[object]:
         commands: list[object] = []
@@ -207,3 +219,8 @@ class AsyncLLM:
             stream = self._streams.get(request_id)
         if stream is not None:
             stream.put(item)
+
+
+def _cause(error: BaseException | None) -> BaseException | None:
+    """What stopped the engine: a step's exception; None when it was shut down."""
+    return error.cause if isinstance(error, EngineDeadError) else error

@@ -41,6 +41,9 @@ class DraftStep:
             num_context_tokens=tuple(self.drafter.context_len(slot) for slot in slots),
         )
 
+    def is_available(self) -> bool:
+        return True  # in this process: it never goes away alone
+
     def release(self, slot: int) -> None:
         self.drafter.release(slot)
 

@@ -27,6 +27,10 @@ that device and hands the target a device batch, so nothing between the draft an
 forward waits for the host; over Ray the transport brings it to the host. Everything the target returns is
 on the CPU, in one device -> host copy per call: the engine's bookkeeping reads it. Other
 tensors passed in are CPU tensors that the implementation moves to its device.
+
+When a model is lost the call raises: `DrafterUnavailableError` (the engine decodes plainly and
+later rebuilds the drafter's context with `Target.encode_context`) or `TargetUnavailableError`
+(the KV caches are gone: every running request ends).
 """
 
 from collections.abc import Sequence
@@ -45,6 +49,19 @@ Produced by `Target.prefill` (entry i: the prompt's features, `[T_i, F]`) and
 `Target.verify_and_commit`
 (entry i: features of the root and accepted nodes, `[1 + accept_len_i, F]`). Only the
 `Drafter` that consumes it may look inside."""
+
+
+class DrafterUnavailableError(RuntimeError):
+    """The drafter cannot draft now (its process died, or is restarting): its context is lost.
+
+    Not fatal: the drafter only speeds decoding up, so the engine verifies root-only trees
+    (plain decoding, lossless) until `Drafter.is_available` says a drafter is back."""
+
+
+class TargetUnavailableError(RuntimeError):
+    """The target is gone (its process died): every slot's KV cache went with it.
+
+    Fatal for the requests in flight; a caller may retry them once the target is back."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,14 @@ class DraftOutput:
 
 
 @dataclass(frozen=True)
+class EncodeInput:
+    """Each slot's cached text, to re-encode into context features for a drafter that lost it."""
+
+    slots: Sequence[int]  # [B]
+    token_ids: Sequence[Sequence[int]]  # [B][T_b]: exactly the T_b tokens in slot b's cache
+
+
+@dataclass(frozen=True)
 class VerifyInput:
     """One tree per slot to verify on top of its cache, with the coins of the sampling walk."""
 
@@ -184,6 +209,14 @@ class Target(Protocol):
         """
         ...
 
+    def encode_context(self, inputs: EncodeInput) -> ContextHandle:
+        """Context features of each slot's cached text (entry b: `[T_b, F]`); the cache is unchanged.
+
+        A features-only forward for a drafter that lost its context: handed to it as every
+        request's pending context, it makes the drafter's context equal the target's cache again.
+        """
+        ...
+
     def release(self, slot: int) -> None:
         """Forget the slot's cache so a new request can take it."""
         ...
@@ -200,6 +233,15 @@ class Drafter(Protocol):
 
     def draft(self, inputs: DraftInput) -> DraftOutput:
         """Append each slot's new context, then propose the next block after its bonus token."""
+        ...
+
+    def is_available(self) -> bool:
+        """Whether a drafter takes calls now; never blocks. Asked after a `DrafterUnavailableError`.
+
+        Once it says True the engine releases every slot and hands each running request its
+        whole context again, so a drafter that comes back (a fresh process, or the old one after
+        a transient loss) needs no state of its own to resume.
+        """
         ...
 
     def release(self, slot: int) -> None:

@@ -9,8 +9,13 @@ one loop serves plain decoding, chains and DDTrees. With `budget_policy="adaptiv
 `AdaptiveBudget` decides per step whether to draft at all and how many of each request's
 best-first nodes to verify (a prefix of the tree built at its ceiling); a step that does not
 draft verifies root-only trees, and the drafter later takes every context slice it missed.
+
+A lost drafter (`DrafterUnavailableError`) costs speed only: the loop goes on as in mode "ar"
+until the drafter is available again, then the target re-encodes every running request's
+cached text into a whole new context for it (`_restore_drafter`), and speculation resumes.
 """
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -28,8 +33,10 @@ from ddtree_serve.engine.budget import (
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
     Drafter,
+    DrafterUnavailableError,
     DraftInput,
     DraftOutput,
+    EncodeInput,
     PrefillInput,
     SamplingBatch,
     Target,
@@ -44,6 +51,8 @@ from ddtree_serve.engine.stop import StopChecker
 from ddtree_serve.engine.timing import Stage, StageTimer
 from ddtree_serve.engine.tree_builder import BuiltTrees, TreeBuilder
 from ddtree_serve.tree import build_verify_batch
+
+logger = logging.getLogger(__name__)
 
 
 class SpecEngine:
@@ -84,6 +93,10 @@ class SpecEngine:
         self.stop_checker = StopChecker(tokenizer, target.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        # The drafter holds every running request's context up to its last draft; False from a
+        # `DrafterUnavailableError` until `_restore_drafter` has handed it whole contexts again.
+        self._drafter_in_sync = self.drafter is not None
+        self.num_drafter_losses = 0
         self.budget_policy = self._adaptive_budget() if settings.budget_policy == "adaptive" else None
 
     def _adaptive_budget(self) -> AdaptiveBudget:
@@ -143,6 +156,11 @@ class SpecEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    @property
+    def speculating(self) -> bool:
+        """Whether steps draft (False in mode "ar" and while the drafter is lost)."""
+        return self._drafter_in_sync
+
     # ----------------------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
@@ -180,9 +198,9 @@ class SpecEngine:
     def _draft(self, requests: list[Request]) -> DraftOutput | None:
         """One drafter call for the batch; K is the largest any request's tree can use.
 
-        None when there is no drafter, or when the adaptive policy decodes this step plainly.
+        None (root-only trees: plain decoding) without a drafter, or while it is lost.
         """
-        if self.drafter is None:
+        if self.drafter is None or not self._drafter_ready(self.drafter, requests):
             return None
         if self.budget_policy is not None and not self.budget_policy.should_draft(
             [self._budget(r) for r in requests]
@@ -192,14 +210,50 @@ class SpecEngine:
         contexts = [tuple(r.pending_contexts) for r in requests]
         assert all(contexts), "every running request has undrafted context"
         bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
+        draft_input = DraftInput([_slot(r) for r in requests], bonus_tokens, contexts, top_k)
         started = time.perf_counter()
-        draft = self.drafter.draft(DraftInput([_slot(r) for r in requests], bonus_tokens, contexts, top_k))
+        try:
+            draft = self.drafter.draft(draft_input)
+        except DrafterUnavailableError as error:
+            self._lose_drafter(error)
+            return None
         if self.budget_policy is not None:
             self.budget_policy.record_draft_ms(1000.0 * (time.perf_counter() - started))
         for request in requests:
             request.pending_contexts = []
         _check_positions(requests, draft.num_context_tokens)
         return draft
+
+    def _drafter_ready(self, drafter: Drafter, requests: list[Request]) -> bool:
+        """True when the drafter can draft for `requests` (every running request) this step."""
+        if self._drafter_in_sync:
+            return True
+        if not drafter.is_available():
+            return False
+        self._restore_drafter(drafter, requests)
+        return True
+
+    def _restore_drafter(self, drafter: Drafter, requests: list[Request]) -> None:
+        """Give a drafter that is back each running request's whole context, from the target.
+
+        It may be a fresh process or the old one: every slot is released first, then each
+        request's pending context becomes its cached text re-encoded, so after the next draft
+        its context length equals the target's cache again (checked there).
+        """
+        for slot in range(self.settings.max_num_seqs):
+            drafter.release(slot)
+        slots = [_slot(r) for r in requests]
+        context = self.target.encode_context(EncodeInput(slots, [_cached_token_ids(r) for r in requests]))
+        for i, request in enumerate(requests):
+            request.pending_contexts = [ContextSlice(context, i)]
+        self._drafter_in_sync = True
+        logger.warning("the drafter is back: speculation resumes for %d running requests", len(requests))
+
+    def _lose_drafter(self, error: DrafterUnavailableError) -> None:
+        """Decode plainly from now on, until the drafter is available again."""
+        self._drafter_in_sync = False
+        self.num_drafter_losses += 1
+        logger.warning("drafter lost (%s): decoding without drafts until it is back", error)
 
     def _build(self, requests: list[Request], draft: DraftOutput | None) -> BuiltTrees:
         """One tree per request from its draft, padded into the verify batch (host or device).
@@ -242,7 +296,7 @@ class SpecEngine:
             sampling,
             coins,
             coin_final,
-            return_context=self.drafter is not None,
+            return_context=self._drafter_in_sync,
         )
         started = time.perf_counter()
         verdict = self.target.verify_and_commit(inputs)
@@ -291,8 +345,11 @@ class SpecEngine:
             return
         slot = self.scheduler.free(request)
         self.target.release(slot)
-        if self.drafter is not None:
-            self.drafter.release(slot)
+        if self.drafter is not None and self._drafter_in_sync:  # a lost drafter is reset on return
+            try:
+                self.drafter.release(slot)
+            except DrafterUnavailableError as error:
+                self._lose_drafter(error)
 
     def _budget(self, request: Request) -> int:
         """The request's DDTree budget; the engine's budget is also the ceiling (cache room)."""
@@ -348,6 +405,13 @@ def _check_positions(requests: list[Request], num_context_tokens: Sequence[int])
             f"drafter context lengths {list(num_context_tokens)} differ from the target's cached "
             f"lengths {num_cached_tokens}"
         )
+
+
+def _cached_token_ids(request: Request) -> list[int]:
+    """The text in a running request's target cache: prompt and output less the newest token."""
+    token_ids = [*request.prompt_token_ids, *request.output_token_ids[:-1]]
+    assert len(token_ids) == request.num_cached_tokens, "the cache holds all but the newest token"
+    return token_ids
 
 
 def _slot(request: Request) -> int:

@@ -13,6 +13,7 @@ transport. Context handles it produces are lists of device tensors, one per requ
 import torch
 
 from ddtree_serve.engine.interfaces import (
+    EncodeInput,
     PrefillInput,
     PrefillOutput,
     SamplingBatch,
@@ -113,6 +114,17 @@ class TargetStep:
             # per request: its root's and accepted nodes' features, [1 + accept_len_b, F] views
             context=None if gathered is None else [gathered[b, :n] for b, n in enumerate(num_kept)],
         )
+
+    def encode_context(self, inputs: EncodeInput) -> list[torch.Tensor]:
+        """One features-only forward per slot (bounded memory; this runs once per drafter loss)."""
+        features = []
+        for slot, token_ids in zip(inputs.slots, inputs.token_ids, strict=True):
+            if len(token_ids) != self.runner.seq_len(slot):
+                raise ValueError(
+                    f"slot {slot} caches {self.runner.seq_len(slot)} tokens, not the {len(token_ids)} given"
+                )
+            features.append(self.runner.context_features(token_ids))
+        return features
 
     def release(self, slot: int) -> None:
         self.runner.release(slot)

@@ -20,7 +20,7 @@ import torch
 
 from ddtree_serve.models.families import TargetConfig, TargetModel
 from ddtree_serve.models.kv_cache import CacheWriter, SlotIndex, SlotKVCache
-from ddtree_serve.models.layers import avoid_per_shape_attention_plans
+from ddtree_serve.models.layers import avoid_per_shape_attention_plans, causal_mask
 from ddtree_serve.models.loading import load_target_model, read_eos_token_ids
 from ddtree_serve.models.qwen3 import Qwen3ForCausalLM, context_features
 from ddtree_serve.models.target_graphs import TargetGraphs, tree_verify_forward
@@ -164,6 +164,19 @@ class TargetRunner:
         logits = self.model.logits(out.hidden[batch_index, last])  # [B, V]
         features = context_features(out, self.target_layer_ids)  # [B, T, F]
         return logits, [features[b, : counts[b]] for b in range(len(rows))]
+
+    @torch.inference_mode()
+    def context_features(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Context features of `token_ids` read as one text from position 0 -> `[T, F]`.
+
+        Features only: no cache is read or written (a new drafter's context is rebuilt from the
+        token ids alone). Eager, one causal forward over the whole text.
+        """
+        tokens = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device)[None]  # [1, T]
+        num_tokens = int(tokens.shape[1])
+        positions = torch.arange(num_tokens, device=self.device)[None]  # [1, T]
+        out = self.model(tokens, positions, causal_mask(num_tokens, self.device), None, self.target_layer_ids)
+        return context_features(out, self.target_layer_ids)[0]
 
     @torch.inference_mode()
     def verify(self, slots: Sequence[int], batch: "VerifyBatch") -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,17 +5,24 @@ engine thread and its request streams): it checks the prompt against the engine'
 streams each request's steps as chunks and turns engine errors into request errors. Serve
 constructs it through `__init__`, which starts the group's workers (`group.py`), the step
 observer's telemetry (`telemetry.py`) and the engine; tests hand `sync_init` an engine they built.
+
+Faults: a lost drafter is the engine's business (it decodes plainly until Ray restarted the
+drafter). A lost target ends the group: requests in flight and new ones get UNAVAILABLE
+(503 + Retry-After), health fails at once (the health endpoints and Serve's check ask
+`check_health`), and Serve replaces the replica with its whole placement group.
 """
 
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
 from ddtree_serve.engine.builder import target_dir
+from ddtree_serve.engine.interfaces import TargetUnavailableError
 from ddtree_serve.engine.request import RequestStats
 from ddtree_serve.engine.scheduler import QueueFullError
 from ddtree_serve.models import load_tokenizer
@@ -26,7 +33,7 @@ from ddtree_serve.serve.group import placement_bundles, start_workers
 from ddtree_serve.serve.observed_engine import ObservedEngine
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest, Usage
 from ddtree_serve.serve.telemetry import GroupTelemetry
-from ddtree_serve.serve.workers import DrafterFactory, TargetFactory
+from ddtree_serve.serve.workers import DrafterFactory, RayDrafter, RayTarget, TargetFactory
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,6 +43,15 @@ _ONGOING_HEADROOM = 4
 
 # What the engine raises for a request it refuses or can no longer run; see `_request_error`.
 _ENGINE_ERRORS = (QueueFullError, ValueError, EngineDeadError)
+
+# Serve's health check of each replica: twice a second, so a group whose target died (its check
+# fails from then on) is replaced after Serve's three failures in a row, within 1.5 s; the
+# timeout is generous because the check waits behind the target's step in progress.
+_HEALTH_CHECK_PERIOD_S = 0.5
+_HEALTH_CHECK_TIMEOUT_S = 10.0
+# A stopping replica checks for open requests this often (Serve's default, 2 s, would hold a
+# dead group's bundles that long after its requests ended); the timeout stays Serve's default.
+_GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 
 
 class Coordinator:
@@ -54,6 +70,9 @@ class Coordinator:
             "placement_group_bundles": placement_bundles(config),
             "placement_group_strategy": placement.strategy,
             "max_ongoing_requests": config.max_ongoing_per_group + _ONGOING_HEADROOM,
+            "health_check_period_s": _HEALTH_CHECK_PERIOD_S,
+            "health_check_timeout_s": _HEALTH_CHECK_TIMEOUT_S,
+            "graceful_shutdown_wait_loop_s": _GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
         }
         if scaling.min_replicas == scaling.max_replicas:
             options["num_replicas"] = scaling.min_replicas
@@ -76,6 +95,7 @@ class Coordinator:
         `target_factory` / `drafter_factory` build the in-process models inside the workers;
         None = load `config.engine`'s model directories (tests inject fakes here).
         """
+        start_s = time.monotonic()
         target, drafter = start_workers(config, target_factory, drafter_factory)
         telemetry = GroupTelemetry(
             config.observability, drafter.block_size if drafter else 1, config.engine.budget
@@ -87,6 +107,13 @@ class Coordinator:
         llm = AsyncLLM(engine)
         telemetry.start_load_gauges(llm)
         self._init_shared(config, llm, telemetry)
+        self._actors = {
+            role: worker.actor
+            for role, worker in (("target", target), ("drafter", drafter))
+            if isinstance(worker, RayTarget | RayDrafter)
+        }
+        # What a replacement after a fault costs, besides Serve's detection and process start.
+        logger.info("speculation group up: workers and engine started in %.1f s", time.monotonic() - start_s)
 
     @classmethod
     def sync_init(
@@ -108,6 +135,7 @@ class Coordinator:
         self._max_prompt_tokens = min(config.limits.max_prompt_tokens or engine_limit, engine_limit)
         self._ids = itertools.count()
         self._num_cancelled = 0  # requests whose caller went away before they finished
+        self._actors: dict[str, Any] = {}  # worker actor handles by role (none in process)
 
     # --------------------------------------------------------------------------------- requests
 
@@ -158,15 +186,20 @@ class Coordinator:
     # ------------------------------------------------------------------------------ inspection
 
     async def stats(self) -> dict[str, int]:
-        """Load figures; raises once the engine thread stopped, so health probes (HTTP /health,
-        gRPC Check) report the group down before Serve's own check replaces the replica."""
-        self.check_health()
+        """Load figures; raises once the group is down (`check_health`), so health probes (HTTP
+        /health, gRPC Check) report it at once, before Serve's own check replaces the replica.
+
+        `speculating` is 0 while the group decodes without its drafter (lost, or mode "ar")."""
+        await self.check_health()
+        engine = self._llm.engine
         return {
-            "running": self._llm.engine.num_running,
-            "waiting": self._llm.engine.num_waiting,
+            "running": engine.num_running,
+            "waiting": engine.num_waiting,
             "open_streams": self._llm.num_active_requests,
             "cancelled": self._num_cancelled,
             "max_num_seqs": self._config.engine.max_num_seqs,
+            "speculating": int(engine.speculating),
+            "drafter_losses": engine.num_drafter_losses,
         }
 
     async def model_info(self) -> dict[str, Any]:
@@ -180,10 +213,22 @@ class Coordinator:
             "has_vision_tower": target_has_vision_tower(target_dir(self._config.engine)),
         }
 
-    def check_health(self) -> None:
-        """Serve's replica health check: a dead engine thread restarts the replica."""
+    async def check_health(self) -> None:
+        """Serve's replica health check: a stopped engine or a lost target restarts the replica.
+
+        The target is asked too, so a target that died while the group was idle fails health
+        now, not at the next request. A lost drafter does not fail it: the group still serves.
+        """
         if not self._llm.is_running:
             raise RuntimeError("the engine thread stopped")
+        target = self._llm.engine.target
+        if isinstance(target, RayTarget):
+            await target.check_alive()
+
+    async def worker_actors(self) -> dict[str, Any]:
+        """The group's worker actor handles by role ("target", "drafter"; none in process), for
+        operators' fault drills and the fault tests."""
+        return dict(self._actors)
 
 
 def _request_error(error: Exception) -> tuple[RequestError, str | None]:
@@ -191,6 +236,9 @@ def _request_error(error: Exception) -> tuple[RequestError, str | None]:
     request was not refused, the engine failed)."""
     if isinstance(error, QueueFullError):
         return RequestError(ErrorKind.OVERLOADED, str(error)), "queue_full"
+    if isinstance(error, EngineDeadError) and isinstance(error.cause, TargetUnavailableError):
+        message = f"{error.cause}: this server is restarting its models; retry in a few seconds"
+        return RequestError(ErrorKind.UNAVAILABLE, message), None
     if isinstance(error, EngineDeadError):
         return RequestError(ErrorKind.INTERNAL, f"the engine stopped: {error}"), None
     return invalid(str(error), "prompt"), "invalid"

@@ -9,7 +9,8 @@ import enum
 import grpc
 
 # Seconds a client should wait before retrying a 503 (HTTP `Retry-After`): a slot or queue
-# place frees up within a few engine steps.
+# place frees up within a few engine steps; a lost group is replaced within seconds, and
+# requests sent while it is replaced wait for the new one.
 RETRY_AFTER_S = 1
 
 
@@ -19,6 +20,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = (404, "not_found_error", grpc.StatusCode.NOT_FOUND)
     METHOD_NOT_ALLOWED = (405, "invalid_request_error", grpc.StatusCode.UNIMPLEMENTED)
     OVERLOADED = (503, "overloaded_error", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    UNAVAILABLE = (503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE)  # retriable
     INTERNAL = (500, "internal_error", grpc.StatusCode.INTERNAL)
 
     @property

@@ -4,6 +4,10 @@ One Coordinator replica is one group and one placement group. Bundle 0 holds the
 itself (Serve's rule), then the drafter, then the target group; mode "ar" has no drafter and
 therefore no drafter bundle, so the target moves up to bundle 1. The workers are Ray actors in
 those bundles, or in-process models inside the replica (placement.workers = "in_process").
+
+When a worker dies: Ray restarts the drafter in its bundle (the engine decodes plainly until it
+is back, then rebuilds its context); the target is never restarted alone, because its KV
+caches die with it: the Coordinator fails health at once and Serve replaces the whole group.
 """
 
 from typing import Any
@@ -25,6 +29,8 @@ from ddtree_serve.serve.workers import (
 
 # Bundle indices in the group's placement group (bundle 0 is the Coordinator replica).
 DRAFTER_BUNDLE, TARGET_BUNDLE = 1, 2
+# Ray restarts a lost drafter in its bundle however often it dies (-1: no limit).
+DRAFTER_MAX_RESTARTS = -1
 
 
 def placement_bundles(config: ServeConfig) -> list[dict[str, float]]:
@@ -77,13 +83,15 @@ def _start_actors(
             )
         return worker_options
 
-    drafter = None
+    drafter_actor = None
     target_bundle = DRAFTER_BUNDLE
     if drafter_factory is not None:
-        drafter_actor = DrafterWorker.options(**options(placement.drafter, DRAFTER_BUNDLE)).remote(
-            drafter_factory
-        )
-        drafter = RayDrafter(drafter_actor)
+        drafter_actor = DrafterWorker.options(
+            **options(placement.drafter, DRAFTER_BUNDLE), max_restarts=DRAFTER_MAX_RESTARTS
+        ).remote(drafter_factory)
         target_bundle = TARGET_BUNDLE
     target_actor = TargetWorker.options(**options(placement.target, target_bundle)).remote(target_factory)
-    return RayTarget(target_actor), drafter
+    # Both workers start (process, imports, model load) at once; each adapter waits for its own,
+    # so a group comes up, or is replaced after a fault, in the time of the slower one.
+    target = RayTarget(target_actor)
+    return target, RayDrafter(drafter_actor) if drafter_actor is not None else None

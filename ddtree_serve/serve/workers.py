@@ -15,6 +15,11 @@ return values under `max_direct_call_object_size`, 100 KiB by default, into the 
 memory: a toy model's few-KiB features do pass through the Coordinator's memory; real models'
 features, taps x hidden x accepted tokens, go through the object store target -> drafter.)
 Tensors cross every actor boundary as numpy arrays (`wire.py`: several times cheaper in Ray).
+
+Faults: a dead or restarting worker makes Ray raise `RayActorError`; the adapters turn it into
+the seam's `DrafterUnavailableError` / `TargetUnavailableError`, so the engine's fallback and
+the Coordinator's error mapping know nothing of Ray. `RayDrafter.is_available` probes a drafter
+that Ray restarts (`max_restarts`, set by the group) without blocking the engine thread.
 """
 
 import dataclasses
@@ -22,15 +27,20 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from ddtree_serve.engine.interfaces import (
+    ContextHandle,
     ContextSlice,
     Drafter,
+    DrafterUnavailableError,
     DraftInput,
     DraftOutput,
+    EncodeInput,
     PrefillInput,
     PrefillOutput,
     Target,
+    TargetUnavailableError,
     VerifyInput,
     VerifyOutput,
 )
@@ -68,6 +78,10 @@ class TargetWorker:
         """`inputs`: a wired `VerifyInput` -> (wired `VerifyOutput` without context, wired context)."""
         output = self._target.verify_and_commit(from_wire(inputs))
         return to_wire(dataclasses.replace(output, context=None)), to_wire(output.context)
+
+    def encode_context(self, inputs: Wired) -> Wired:
+        """`inputs`: a wired `EncodeInput` -> the wired context (what a drafter's `draft` resolves)."""
+        return to_wire(self._target.encode_context(from_wire(inputs)))
 
     def release(self, slot: int) -> None:
         self._target.release(slot)
@@ -121,15 +135,39 @@ class RayTarget:
     def max_seq_len(self) -> int:
         return self._max_seq_len
 
+    @property
+    def actor(self) -> Any:
+        return self._actor
+
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         output_ref, context_ref = self._actor.prefill.remote(to_wire(inputs))
-        output: PrefillOutput = from_wire(ray.get(output_ref))
+        output: PrefillOutput = from_wire(self._get(output_ref))
         return dataclasses.replace(output, context=context_ref)
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
         output_ref, context_ref = self._actor.verify_and_commit.remote(to_wire(inputs))
-        output: VerifyOutput = from_wire(ray.get(output_ref))
+        output: VerifyOutput = from_wire(self._get(output_ref))
         return dataclasses.replace(output, context=context_ref if inputs.return_context else None)
+
+    def encode_context(self, inputs: EncodeInput) -> ContextHandle:
+        # The features go target -> drafter: the ObjectRef is the handle (a failure shows in
+        # the draft that resolves it, and in the next target call).
+        return self._actor.encode_context.remote(to_wire(inputs))
+
+    async def check_alive(self) -> None:
+        """Raises `TargetUnavailableError` when the worker is gone (health checks; waits its turn
+        behind the step in progress)."""
+        try:
+            await self._actor.describe.remote()
+        except RayActorError as error:
+            raise _target_lost(error) from error
+
+    @staticmethod
+    def _get(ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except RayActorError as error:
+            raise _target_lost(error) from error
 
     def release(self, slot: int) -> None:
         # Fire and forget: calls from one caller run in submission order on the actor, so a
@@ -143,10 +181,29 @@ class RayDrafter:
     def __init__(self, actor: Any) -> None:
         self._actor = actor
         self._block_size: int = ray.get(actor.describe.remote())["block_size"]
+        self._probe: Any = None  # after a loss: the pending `describe` call that says it is back
+
+    @property
+    def actor(self) -> Any:
+        return self._actor
 
     @property
     def block_size(self) -> int:
         return self._block_size
+
+    def is_available(self) -> bool:
+        """A `describe` call waits, unblocking, for the restarted actor; True once it answered."""
+        if self._probe is None:
+            self._probe = self._actor.describe.remote()
+        ready, _ = ray.wait([self._probe], timeout=0)
+        if not ready:
+            return False
+        probe, self._probe = self._probe, None
+        try:
+            ray.get(probe)
+        except RayActorError:
+            return False  # still restarting, or gone for good: ask again next step
+        return True
 
     def draft(self, inputs: DraftInput) -> DraftOutput:
         # Distinct producing calls in order (ObjectRefs hash and compare by object id); each
@@ -158,7 +215,15 @@ class RayDrafter:
         pointers = [[ContextSlice(position[c.handle], c.index) for c in slices] for slices in inputs.contexts]
         wired = to_wire(dataclasses.replace(inputs, contexts=pointers))
         handles = list(position)
-        return from_wire(ray.get(self._actor.draft.remote(wired, *handles)))
+        try:
+            return from_wire(ray.get(self._actor.draft.remote(wired, *handles)))
+        except RayActorError as error:
+            raise DrafterUnavailableError(f"the drafter worker is lost ({type(error).__name__})") from error
 
     def release(self, slot: int) -> None:
         self._actor.release.remote(slot)
+
+
+def _target_lost(error: RayActorError) -> TargetUnavailableError:
+    # Ray's own text runs to many lines; the chained cause keeps it for the logs.
+    return TargetUnavailableError(f"the target worker died ({type(error).__name__})")

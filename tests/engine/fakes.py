@@ -10,8 +10,10 @@ import numpy as np
 import torch
 
 from ddtree_serve.engine.interfaces import (
+    ContextHandle,
     DraftInput,
     DraftOutput,
+    EncodeInput,
     PrefillInput,
     PrefillOutput,
     Target,
@@ -50,6 +52,9 @@ class RecordingTarget:
         self.verify_batch_sizes.append(len(inputs.slots))
         self.verify_num_nodes.append(int(inputs.batch.num_nodes.sum()))
         return self.inner.verify_and_commit(inputs)
+
+    def encode_context(self, inputs: EncodeInput) -> ContextHandle:
+        return self.inner.encode_context(inputs)
 
     def release(self, slot: int) -> None:
         self.slot_prompts.pop(slot, None)

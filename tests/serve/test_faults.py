@@ -1,0 +1,290 @@
+"""Actor faults on a real local Ray cluster: a lost drafter loses nothing, a lost target is a
+clean, short outage.
+
+One cluster for the module (fake GPUs: the drafter and the target each hold one), serving the
+bundled trained pair so that speculation visibly accepts more than one token per step. The
+drafter test runs first: the target test ends with Serve replacing the whole group.
+The figures each test prints (requests lost, seconds to recovery) are this machine's; the
+tests assert behaviour, never times.
+"""
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.llm import LLM
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.serve.protos import DDTreeServeStub, pb2
+from tests.conftest import TinyModelDirs
+from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = [
+    "def add(a, b):",
+    "import os\n",
+    "class Stack:\n",
+    "for i in range(10):",
+    "def fib(n):",
+    "with open(path) as f:",
+    "try:\n",
+    "return [x for x in",
+]
+STREAM_TOKENS = 160  # long enough that the kill lands mid-stream
+NEW_PROMPTS = ["def main():", "if __name__ =="]
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
+    raw = tiny_serve_config(
+        tiny_model_dirs,
+        engine={"max_seq_len": 512, "max_num_seqs": 8, "max_queue_len": 8, "budget": 8},
+        placement={
+            "coordinator": {"num_cpus": 0.25},
+            "drafter": {"num_cpus": 0.25, "num_gpus": 1},
+            "target": {"num_cpus": 0.25, "num_gpus": 1},
+        },
+    )
+    # The bundled pair (target/drafter unset): a trained drafter, so tau > 1 is visible.
+    raw["engine"] = {k: v for k, v in raw["engine"].items() if k not in ("target", "drafter")}
+    yield from start_serve_cluster(raw, num_gpus=2)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: ServeCluster) -> LLM:
+    return LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
+
+
+def worker_actor(cluster: ServeCluster, role: str) -> Any:
+    from ray import serve
+
+    coordinator = serve.get_deployment_handle("Coordinator", app_name=cluster.config.app_name)
+    return coordinator.worker_actors.remote().result()[role]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+
+
+async def http_stream(
+    client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, started: asyncio.Event | None = None
+) -> list[dict]:
+    """Every SSE event of one streamed completion; `started` is set at the first."""
+    events = []
+    async with client.stream(
+        "POST", f"{url}/v1/completions", json=completion_body(prompt, max_tokens, stream=True)
+    ) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+                if started is not None:
+                    started.set()
+    return events
+
+
+def stream_text(events: list[dict]) -> str:
+    assert not any("error" in e for e in events), events[-1]
+    return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+
+async def grpc_stream(stub: Any, prompt: str, max_tokens: int, started: asyncio.Event | None = None) -> str:
+    """The text of one gRPC stream; `started` is set at its first chunk."""
+    request = pb2.GenerateRequest(
+        prompt=prompt,
+        sampling=pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+    parts = []
+    async for chunk in stub.Generate(request):
+        parts.append(chunk.text)
+        if started is not None:
+            started.set()
+    return "".join(parts)
+
+
+async def health(client: httpx.AsyncClient, url: str) -> tuple[int, dict[str, Any]]:
+    response = await client.get(f"{url}/health", timeout=10)
+    return response.status_code, response.json()
+
+
+async def wait_until(predicate: Any, timeout_s: float = 60.0, interval_s: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(interval_s)
+    pytest.fail("condition not reached in time")
+
+
+# ------------------------------------------------------------------------------------ drafter
+
+
+def test_killing_the_drafter_loses_no_request_and_speculation_resumes(
+    cluster: ServeCluster, reference: LLM
+) -> None:
+    import ray
+
+    expected = [o.text for o in reference.generate(PROMPTS, greedy(STREAM_TOKENS))]
+    expected_new = [o.text for o in reference.generate(NEW_PROMPTS, greedy(NEW_TOKENS))]
+    drafter = worker_actor(cluster, "drafter")
+    url = cluster.http_url
+    timeline: list[tuple[float, int, int]] = []  # (seconds since the kill, speculating, losses)
+
+    async def watch(client: httpx.AsyncClient, kill_time: list[float]) -> None:
+        while True:
+            status, body = await health(client, url)
+            assert status == 200, body  # a lost drafter never makes the group unhealthy
+            if kill_time:
+                timeline.append(
+                    (time.monotonic() - kill_time[0], body["speculating"], body["drafter_losses"])
+                )
+            await asyncio.sleep(0.1)
+
+    async def new_request(client: httpx.AsyncClient, prompt: str) -> dict[str, Any]:
+        response = await client.post(f"{url}/v1/completions", json=completion_body(prompt, NEW_TOKENS))
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def run() -> tuple[list[Any], list[dict[str, Any]], dict[str, Any], float]:
+        async with (
+            httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as client,
+            grpc.aio.insecure_channel(cluster.grpc_target) as channel,
+        ):
+            stub = DDTreeServeStub(channel)
+            streams = [
+                asyncio.create_task(
+                    http_stream(client, url, p, STREAM_TOKENS)
+                    if i % 2 == 0
+                    else grpc_stream(stub, p, STREAM_TOKENS)
+                )
+                for i, p in enumerate(PROMPTS)
+            ]
+
+            async def all_running() -> bool:
+                return (await health(client, url))[1]["running"] == len(PROMPTS)
+
+            await wait_until(all_running)
+            kill_time: list[float] = []
+            watcher = asyncio.create_task(watch(client, kill_time))
+            ray.kill(drafter, no_restart=False)
+            kill_time.append(time.monotonic())
+            # New requests while the drafter is gone (sent at once, so they meet the outage).
+            new = [asyncio.create_task(new_request(client, p)) for p in NEW_PROMPTS]
+            results = await asyncio.gather(*streams, return_exceptions=True)
+            new_results = await asyncio.gather(*new)
+
+            async def speculating_again() -> bool:
+                return (await health(client, url))[1]["speculating"] == 1
+
+            await wait_until(speculating_again)
+            resumed_s = time.monotonic() - kill_time[0]
+            after = await new_request(client, NEW_PROMPTS[0])
+            watcher.cancel()
+            return results, new_results, after, resumed_s
+
+    results, new_results, after, resumed_s = asyncio.run(run())
+    texts = [stream_text(r) if isinstance(r, list) else r for r in results]
+    lost = sum(isinstance(r, BaseException) for r in results)
+    outage = [t for t, speculating, _ in timeline if speculating == 0]
+    back = [t for t, speculating, _ in timeline if outage and speculating == 1 and t > min(outage)]
+    print(
+        f"\ndrafter kill: {lost} of {len(PROMPTS)} streams and 0 of {len(NEW_PROMPTS)} new requests "
+        f"lost; plain decoding seen from {min(outage, default=-1):.2f} s after the kill, "
+        f"speculating again at {min(back, default=resumed_s):.2f} s; streams ended, tau of a new "
+        f"request: {after['usage']['acceptance_length']:.2f}"
+    )
+    assert lost == 0, [r for r in results if isinstance(r, BaseException)]
+    assert texts == expected
+    assert [r["choices"][0]["text"] for r in new_results] == expected_new
+    # The engine did lose the drafter (and decoded plainly for a while), exactly once.
+    assert outage and timeline[-1][2] == 1
+    # Speculation resumed with a rebuilt context: more than one token per step again.
+    assert after["choices"][0]["text"] == expected_new[0]
+    assert after["usage"]["acceptance_length"] > 1.0
+
+
+# ------------------------------------------------------------------------------------- target
+
+
+def test_killing_the_target_is_a_clean_short_outage(cluster: ServeCluster, reference: LLM) -> None:
+    import ray
+
+    target = worker_actor(cluster, "target")
+    url = cluster.http_url
+
+    async def whole(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(f"{url}/v1/completions", json=completion_body(PROMPTS[0], 400))
+
+    async def grpc_outcome(stub: Any, started: asyncio.Event) -> grpc.StatusCode:
+        try:
+            await grpc_stream(stub, PROMPTS[1], 400, started)
+        except grpc.aio.AioRpcError as error:
+            assert "\n" not in (error.details() or "") and "retry" in (error.details() or "")
+            return error.code()
+        return grpc.StatusCode.OK
+
+    async def run() -> tuple[httpx.Response, list[dict], grpc.StatusCode, int, Any, float]:
+        async with (
+            httpx.AsyncClient(timeout=300) as client,
+            grpc.aio.insecure_channel(cluster.grpc_target) as channel,
+        ):
+            stub = DDTreeServeStub(channel)
+            started = [asyncio.Event(), asyncio.Event()]  # both streams have sent their headers
+            in_flight = [
+                asyncio.create_task(whole(client)),
+                asyncio.create_task(http_stream(client, url, PROMPTS[2], 400, started[0])),
+                asyncio.create_task(grpc_outcome(stub, started[1])),
+            ]
+
+            async def all_running() -> bool:
+                running = (await health(client, url))[1]["running"] == len(in_flight)
+                return running and all(event.is_set() for event in started)
+
+            await wait_until(all_running)
+            ray.kill(target, no_restart=False)
+            kill_time = time.monotonic()
+            response, events, code = await asyncio.gather(*in_flight)
+            # Right after the in-flight requests ended, before any Serve health check ran.
+            health_status, _ = await health(client, url)
+            grpc_health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+
+            async def healthy() -> bool:
+                try:
+                    return (await health(client, url))[0] == 200
+                except httpx.HTTPError:
+                    return False
+
+            await wait_until(healthy, timeout_s=120, interval_s=0.2)
+            return response, events, code, health_status, grpc_health.status, time.monotonic() - kill_time
+
+    response, events, code, health_status, grpc_health, recovery_s = asyncio.run(run())
+    print(f"\ntarget kill: 3 of 3 in-flight requests ended retriable; healthy again {recovery_s:.2f} s after")
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"].isdigit()
+    error = response.json()["error"]
+    assert error["type"] == "service_unavailable_error" and "\n" not in error["message"]
+    assert "target" in error["message"] and "retry" in error["message"]
+    stream_errors = [e["error"] for e in events if "error" in e]  # headers were out: in-band
+    assert [e["type"] for e in stream_errors] == ["service_unavailable_error"] and stream_errors[0][
+        "code"
+    ] == "503"
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert health_status == 503 and grpc_health == health_pb2.HealthCheckResponse.NOT_SERVING
+    # Serve replaced the group: a request now gets the right output.
+    want = reference.generate(PROMPTS[3], greedy(NEW_TOKENS))[0].text
+    ok = httpx.post(f"{url}/v1/completions", json=completion_body(PROMPTS[3], NEW_TOKENS), timeout=120)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["text"] == want
