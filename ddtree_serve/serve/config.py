@@ -60,6 +60,20 @@ class PlacementConfig(_Strict):
         "speculation group); 'in_process': both models inside the Coordinator replica (debugging, "
         "Serve's local testing mode).",
     )
+    transport: Literal["actor_calls", "compiled_graph"] = Field(
+        default="actor_calls",
+        description="How the Coordinator reaches the worker actors each step: 'actor_calls' (a Ray "
+        "actor call per seam call, features by ObjectRef) or 'compiled_graph' (one Ray Compiled "
+        "Graph over both actors: shared-memory channels, features target -> drafter inside the "
+        "graph, releases batched into the next call). Needs a drafter (not mode 'ar').",
+    )
+    overlap: bool = Field(
+        default=False,
+        description="Two micro-batches of the running requests in flight: the drafter drafts one "
+        "while the target verifies the other (a step costs about max(draft, verify) when the "
+        "actors have their own devices). Same tokens as without; needs workers 'actors', a "
+        "drafter and the fixed budget policy.",
+    )
     strategy: PlacementStrategy = Field(
         default="STRICT_PACK",
         description="Placement group strategy; STRICT_PACK keeps a group on one node so features "
@@ -170,6 +184,18 @@ class ServeConfig(_Strict):
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP proxy address.")
     grpc: GRPCConfig = Field(default_factory=GRPCConfig, description="gRPC proxy address.")
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig, description="Telemetry.")
+
+    @model_validator(mode="after")
+    def _check_transport(self) -> "ServeConfig":
+        placement = self.placement
+        if placement.transport == "compiled_graph" and self.engine.mode == "ar":
+            raise ValueError("placement.transport 'compiled_graph' needs a drafter (mode 'ar' has none)")
+        if placement.overlap:
+            if placement.workers != "actors":
+                raise ValueError("placement.overlap needs workers 'actors' (two processes to overlap)")
+            if self.engine.mode == "ar" or self.engine.budget_policy != "fixed":
+                raise ValueError("placement.overlap needs a drafter and budget_policy 'fixed'")
+        return self
 
     @property
     def max_ongoing_per_group(self) -> int:
