@@ -64,7 +64,7 @@ class _Execution:
     draft: DrafterCall | None = None
     target: TargetCall | None = None
     done: bool = False
-    draft_result: Any = None
+    draft_result: Any = None  # unwired
     target_result: Any = None
     draft_error: Exception | None = None
     target_error: Exception | None = None
@@ -85,8 +85,7 @@ class _GraphPending(Generic[ResultT]):
         error = getattr(self._execution, f"{self._role}_error")
         if error is not None:
             raise error
-        # Channel values are views of the channel's buffer: copy them out (`from_wire(copy=True)`).
-        return self._finish(from_wire(getattr(self._execution, f"{self._role}_result"), copy=True))
+        return self._finish(getattr(self._execution, f"{self._role}_result"))
 
 
 class StepGraph:
@@ -173,8 +172,10 @@ class StepGraph:
     def _run_compiled(self, execution: _Execution) -> None:
         draft_ref, target_ref, taken_ref = self._graph.execute(execution.draft, execution.target)
         try:
-            execution.draft_result = draft_ref.get(timeout=_GET_TIMEOUT_S)
-            execution.target_result = target_ref.get(timeout=_GET_TIMEOUT_S)
+            # Channel values are views of the channel's buffer, which the next execution cannot
+            # write while one lives (a carried draft outlives a step): copied out at once.
+            execution.draft_result = from_wire(draft_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
+            execution.target_result = from_wire(target_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
             taken_ref.get(timeout=_GET_TIMEOUT_S)
         except _LOST as error:
             self._break(execution, error)
@@ -205,7 +206,7 @@ class StepGraph:
         actor = self._target.actor
         ref = (actor.replay_graph_call if replay else actor.graph_call).remote(execution.target)
         try:
-            execution.target_result = ray.get(ref if replay else ref[0])
+            execution.target_result = from_wire(ray.get(ref if replay else ref[0]))
         except RayActorError as error:
             execution.target_error = TargetUnavailableError(
                 f"the target worker died ({type(error).__name__})"
