@@ -8,6 +8,7 @@ whichever micro-batch a request lands in.
 
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -175,3 +176,32 @@ def _run_tracking(
         return _run(engine, schedule)[request_id], in_first
     finally:
         del engine.step
+
+
+def test_a_killed_drafter_decodes_plainly_then_speculates_again(
+    served_engine: SpecEngine, local_engine: SpecEngine
+) -> None:
+    """Last in the module: the graph breaks, is torn down, and is compiled over the new drafter."""
+    schedule = [(0, f"k{i}", PROMPTS[i], _greedy(60)) for i in range(3)]
+    expected = _run(local_engine, schedule)
+    for _, request_id, prompt, params in schedule:
+        served_engine.add_request(request_id, prompt, params)
+    finished: dict[str, list[int]] = {}
+    for step in range(400):
+        if step == 3:
+            ray.kill(served_engine.drafter.actor, no_restart=False)  # type: ignore[union-attr]
+        for output in served_engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+        if not served_engine.has_unfinished_requests():
+            break
+    assert finished == expected
+    assert served_engine.num_drafter_losses == 1
+    # Once Ray restarted it, the drafter's context is rebuilt and the next requests speculate.
+    for _ in range(600):
+        if served_engine.drafter.is_available():  # type: ignore[union-attr]
+            break
+        time.sleep(0.1)
+    again = [(0, "after", PROMPTS[4], _greedy(20))]
+    assert _run(served_engine, again) == _run(local_engine, again)
+    assert served_engine.speculating
