@@ -276,27 +276,26 @@ def serve_chunk_table(num_chunks: int) -> dict[str, float]:
 
 
 def engine_step_table(batch_size: int, budget: int, steps: int, rounds: int) -> dict[str, float]:
-    """ms per engine step on the real models, per transport, rounds interleaved (median)."""
+    """ms per engine step on the real models, per transport and overlap, rounds interleaved."""
     from ddtree_serve.serve.config import ServeConfig
     from ddtree_serve.serve.group import start_workers
 
     engine_config = EngineConfig(budget=budget, max_num_seqs=batch_size, max_seq_len=512)
-    transports = ["in_process", "actor_calls"]
-    try:
-        from ddtree_serve.serve.compiled_graph import CompiledStepGraph  # noqa: F401
-
-        transports.append("compiled_graph")
-    except ImportError:
-        pass
+    configurations = [
+        ("in_process", "in_process", "actor_calls", False),
+        ("actor_calls", "actors", "actor_calls", False),
+        ("actor_calls+overlap", "actors", "actor_calls", True),
+        ("compiled_graph", "actors", "compiled_graph", False),
+        ("compiled_graph+overlap", "actors", "compiled_graph", True),
+    ]
     engines = {}
-    for transport in transports:
-        placement: dict[str, Any] = {"workers": "in_process" if transport == "in_process" else "actors"}
-        if transport != "in_process" and "transport" in _placement_fields():
-            placement["transport"] = transport
+    for name, workers, transport, overlap in configurations:
+        placement = {"workers": workers, "transport": transport}
         config = ServeConfig(engine=engine_config, placement=placement)  # type: ignore[arg-type]
         target, drafter = start_workers(config)
+        tokenizer = load_tokenizer(target_dir(engine_config))
         settings = engine_config.to_settings()
-        engines[transport] = SpecEngine(settings, target, drafter, load_tokenizer(target_dir(engine_config)))
+        engines[name] = SpecEngine(settings, target, drafter, tokenizer, overlap=overlap)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     samples: dict[str, list[float]] = {name: [] for name in engines}
     for round_index in range(rounds):
@@ -312,12 +311,6 @@ def engine_step_table(batch_size: int, budget: int, steps: int, rounds: int) -> 
                 engine.abort_request(f"{round_index}-{i}")
             engine.step()
     return {f"engine step: {name}": statistics.median(values) for name, values in samples.items()}
-
-
-def _placement_fields() -> set[str]:
-    from ddtree_serve.serve.config import PlacementConfig
-
-    return set(PlacementConfig.model_fields)
 
 
 def _free_port() -> int:
