@@ -156,22 +156,19 @@ def _run_tracking(
     engine: SpecEngine, schedule: list[tuple[int, str, str, SamplingParams]], request_id: str, at_step: int
 ) -> tuple[list[int], bool]:
     """`_run`, also saying whether `request_id` was in the first micro-batch after `at_step` steps."""
+    steps_taken = 0
     in_first = False
+    step = engine.step
 
-    class Probe:
-        step = 0
-
-    original = engine.step
-
-    def step() -> list[Any]:
-        nonlocal in_first
-        outputs = original()
-        Probe.step += 1
-        if Probe.step == at_step and engine._carried is not None:
+    def counted_step() -> list[Any]:
+        nonlocal steps_taken, in_first
+        outputs = step()
+        steps_taken += 1
+        if steps_taken == at_step and engine._carried is not None:
             in_first = request_id in {r.request_id for r in engine._carried.requests}
         return outputs
 
-    engine.step = step  # type: ignore[method-assign]
+    engine.step = counted_step  # type: ignore[method-assign]
     try:
         return _run(engine, schedule)[request_id], in_first
     finally:
