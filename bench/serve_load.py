@@ -9,6 +9,11 @@ and the served / in-process throughput ratio.
     python bench/serve_load.py                                   # bundled pair
     python bench/serve_load.py --target DIR --drafter DIR --concurrency 1 4 16 --max-tokens 64
     python bench/serve_load.py --device cuda --dtype bfloat16      # both actors on one GPU (0.5 each)
+    python bench/serve_load.py --transport actor_calls compiled_graph --overlap off on
+
+Each (transport, overlap) pair is its own application (speculation group) on the one cluster,
+under its own route prefix and gRPC application name; every level runs all of them back to
+back, so a load change on a shared machine hits every configuration alike.
 
 Every request uses greedy decoding with `ignore_eos`, so all of them generate exactly
 `--max-tokens` tokens and the three paths do the same work. On a small CPU machine the Ray
@@ -77,7 +82,7 @@ class LevelResult:
         tpot, tpot_p99 = statistics.median(tpots), tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))]
         ratio = f"{self.throughput / baseline:.2f}" if baseline else "1.00"
         return (
-            f"| {self.path:<10} | {self.concurrency:>3} | {len(self.timings):>4} "
+            f"| {self.path:<32} | {self.concurrency:>3} | {len(self.timings):>4} "
             f"| {p50:8.1f} | {p99:8.1f} | {tpot:7.2f} | {tpot_p99:7.2f} "
             f"| {self.throughput:8.1f} | {ratio:>5} |"
         )
@@ -139,12 +144,15 @@ def http_request(client: httpx.AsyncClient, url: str, max_tokens: int) -> TimedR
     return lambda prompt: _timed(chunks(prompt))
 
 
-def grpc_request(stub: object, max_tokens: int) -> TimedRequest:
+def grpc_request(stub: object, max_tokens: int, app_name: str) -> TimedRequest:
     from ddtree_serve.serve.protos import pb2
+
+    metadata = (("application", app_name),)
 
     async def chunks(prompt: str) -> AsyncIterator[int]:
         sampling = pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        async for chunk in stub.Generate(pb2.GenerateRequest(prompt=prompt, sampling=sampling)):  # type: ignore[attr-defined]
+        request = pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+        async for chunk in stub.Generate(request, metadata=metadata):  # type: ignore[attr-defined]
             yield len(chunk.token_ids)
 
     return lambda prompt: _timed(chunks(prompt))
@@ -167,7 +175,7 @@ def _free_port() -> int:
 
 
 async def run_all(
-    engine_config: EngineConfig, config: ServeConfig, args: argparse.Namespace
+    engine_config: EngineConfig, configs: list[ServeConfig], args: argparse.Namespace
 ) -> list[LevelResult]:
     """Every level runs in-process, HTTP and gRPC back to back (`--repeats` sweeps), so a load
     change on a shared machine hits all three paths alike; a level's result is its median sweep."""
@@ -178,13 +186,14 @@ async def run_all(
     try:
         async with (
             httpx.AsyncClient(timeout=600, limits=limits) as client,
-            grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc.port}") as channel,
+            grpc.aio.insecure_channel(f"127.0.0.1:{configs[0].grpc.port}") as channel,
         ):
-            paths = {
-                "in-process": engine_request(llm, args.max_tokens),
-                "http": http_request(client, f"http://127.0.0.1:{config.http.port}", args.max_tokens),
-                "grpc": grpc_request(DDTreeServeStub(channel), args.max_tokens),
-            }
+            paths = {"in-process": engine_request(llm, args.max_tokens)}
+            for config in configs:
+                url = f"http://127.0.0.1:{config.http.port}/{config.app_name}"
+                paths[f"http {config.app_name}"] = http_request(client, url, args.max_tokens)
+                stub = DDTreeServeStub(channel)
+                paths[f"grpc {config.app_name}"] = grpc_request(stub, args.max_tokens, config.app_name)
             for request in paths.values():
                 await closed_loop(request, 1, 2)  # warm-up: first-call costs out of the figures
             sweeps: dict[tuple[str, int], list[LevelResult]] = {}
@@ -203,16 +212,18 @@ async def run_all(
     return sorted(medians, key=lambda r: (order.index(r.path), r.concurrency))
 
 
-def start_application(config: ServeConfig, ray_dir: str) -> None:
+def start_applications(configs: list[ServeConfig], ray_dir: str) -> None:
+    """One Ray cluster, the proxies of the first config, one application per config."""
     import ray
     from ray import serve
 
     from ddtree_serve.serve.app import build_app, serve_start_options
 
-    num_gpus = 1 if config.engine.device.startswith("cuda") else 0
-    ray.init(num_cpus=2, num_gpus=num_gpus, include_dashboard=False, _temp_dir=ray_dir)
-    serve.start(**serve_start_options(config))
-    serve.run(build_app(config), name=config.app_name, route_prefix="/")
+    num_gpus = 1 if configs[0].engine.device.startswith("cuda") else 0
+    ray.init(address="local", num_cpus=2, num_gpus=num_gpus, include_dashboard=False, _temp_dir=ray_dir)
+    serve.start(**serve_start_options(configs[0]))
+    for config in configs:
+        serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
 
 
 def stop_application(ray_dir: str) -> None:
@@ -253,6 +264,16 @@ def main() -> None:
         choices=["actors", "in_process"],
         help="Served models in drafter/target actors (the product) or inside the Coordinator replica.",
     )
+    parser.add_argument(
+        "--transport",
+        nargs="+",
+        default=["actor_calls"],
+        choices=["actor_calls", "compiled_graph"],
+        help="Served transports to compare (placement.transport).",
+    )
+    parser.add_argument(
+        "--overlap", nargs="+", default=["off"], choices=["off", "on"], help="placement.overlap values."
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -266,32 +287,40 @@ def main() -> None:
         device=args.device,
         dtype=args.dtype,
     )
-    # On one GPU the drafter and target actors share it (half each); on CPU they reserve none.
-    gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
-    placement = {
-        "workers": args.workers,
-        "drafter": {"num_cpus": 0.25, "num_gpus": gpu_share},
-        "target": {"num_cpus": 0.25, "num_gpus": gpu_share},
-    }
-    config = ServeConfig(
-        engine=engine_config,
-        http={"port": _free_port()},  # type: ignore[arg-type]
-        grpc={"port": _free_port()},  # type: ignore[arg-type]
-        observability={"metrics": False},  # type: ignore[arg-type]
-        placement=placement,  # type: ignore[arg-type]
-    )
+    # On one GPU every group's drafter and target actors share it; on CPU they reserve none.
+    combos = [(t, o == "on") for t in args.transport for o in args.overlap]
+    gpu_share = 0.5 / len(combos) if args.device.startswith("cuda") else 0.0
+    ports = {"http": {"port": _free_port()}, "grpc": {"port": _free_port()}}
+    configs = [
+        ServeConfig(
+            app_name=f"{transport}-{'overlap' if overlap else 'serial'}",
+            engine=engine_config,
+            observability={"metrics": False},  # type: ignore[arg-type]
+            placement={  # type: ignore[arg-type]
+                "workers": args.workers,
+                "transport": transport,
+                "overlap": overlap,
+                "coordinator": {"num_cpus": 0.1},
+                "drafter": {"num_cpus": 0.1, "num_gpus": gpu_share},
+                "target": {"num_cpus": 0.1, "num_gpus": gpu_share},
+            },
+            ingress={"num_cpus": 0.1},  # type: ignore[arg-type]
+            **ports,  # type: ignore[arg-type]
+        )
+        for transport, overlap in combos
+    ]
     ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
-    start_application(config, ray_dir)
+    start_applications(configs, ray_dir)
     try:
-        results = asyncio.run(run_all(engine_config, config, args))
+        results = asyncio.run(run_all(engine_config, configs, args))
     finally:
         stop_application(ray_dir)
 
     baseline = {r.concurrency: r.throughput for r in results if r.path == "in-process"}
     print(f"\nmode={args.mode} budget={args.budget} max_tokens={args.max_tokens}", end=" ")
     print(f"workers={args.workers} threads={args.threads}\n")
-    print("| path       |   c | reqs | TTFT p50 | TTFT p99 | TPOT ms | TPOT p99 |    tok/s | ratio |")
-    print("|------------|-----|------|----------|----------|---------|---------|----------|-------|")
+    print(f"| {'path':<32} |   c | reqs | TTFT p50 | TTFT p99 | TPOT ms | TPOT p99 |    tok/s | ratio |")
+    print(f"|{'-' * 34}|-----|------|----------|----------|---------|---------|----------|-------|")
     for result in results:
         print(result.row(None if result.path == "in-process" else baseline[result.concurrency]))
     print(f"\ndevice={args.device} dtype={args.dtype}; TTFT in ms;", end=" ")

@@ -28,6 +28,11 @@ forward waits for the host; over Ray the transport brings it to the host. Everyt
 on the CPU, in one device -> host copy per call: the engine's bookkeeping reads it. Other
 tensors passed in are CPU tensors that the implementation moves to its device.
 
+Transports that can run the two actors at once also implement `PipelinedTarget` /
+`PipelinedDrafter`: `submit_verify` / `submit_draft` return a `Pending` result at once, so the
+engine's overlapped step (`SpecEngine(overlap=True)`) has the target verify one micro-batch
+while the drafter drafts the other; in process the blocking calls stand in (`Ready`).
+
 When a model is lost the call raises: `DrafterUnavailableError` (the engine decodes plainly and
 later rebuilds the drafter's context with `Target.encode_context`) or `TargetUnavailableError`
 (the KV caches are gone: every running request ends).
@@ -35,7 +40,7 @@ later rebuilds the drafter's context with `Target.encode_context`) or `TargetUna
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -246,4 +251,41 @@ class Drafter(Protocol):
 
     def release(self, slot: int) -> None:
         """Forget the slot's context so a new request can take it."""
+        ...
+
+
+ResultT = TypeVar("ResultT", covariant=True)
+
+
+class Pending(Protocol[ResultT]):
+    """A submitted seam call: `result()` blocks until it is done and raises what the call raised."""
+
+    def result(self) -> ResultT: ...
+
+
+class Ready(Generic[ResultT]):
+    """A `Pending` that is already done: a blocking call standing in for a submitted one."""
+
+    def __init__(self, value: ResultT) -> None:
+        self._value = value
+
+    def result(self) -> ResultT:
+        return self._value
+
+
+@runtime_checkable
+class PipelinedTarget(Protocol):
+    """A `Target` whose verify can run while the engine does other work (another actor)."""
+
+    def submit_verify(self, inputs: VerifyInput) -> Pending[VerifyOutput]:
+        """Start `verify_and_commit(inputs)`; calls run in submission order."""
+        ...
+
+
+@runtime_checkable
+class PipelinedDrafter(Protocol):
+    """A `Drafter` whose draft can run while the target verifies another micro-batch."""
+
+    def submit_draft(self, inputs: DraftInput) -> Pending[DraftOutput]:
+        """Start `draft(inputs)`; calls run in submission order."""
         ...

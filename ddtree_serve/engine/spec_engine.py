@@ -18,6 +18,7 @@ cached text into a whole new context for it (`_restore_drafter`), and speculatio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer
@@ -37,7 +38,11 @@ from ddtree_serve.engine.interfaces import (
     DraftInput,
     DraftOutput,
     EncodeInput,
+    Pending,
+    PipelinedDrafter,
+    PipelinedTarget,
     PrefillInput,
+    Ready,
     SamplingBatch,
     Target,
     VerifyInput,
@@ -66,9 +71,12 @@ class SpecEngine:
         tokenizer: Tokenizer,
         timer: StageTimer | None = None,
         tree_builder: TreeBuilder | None = None,
+        overlap: bool = False,
     ) -> None:
         """`tree_builder`: where the build stage runs (default: the host; `TreeBuilder("device")`
-        builds where the draft lies)."""
+        builds where the draft lies). `overlap`: two micro-batches in flight (`_overlapped_step`),
+        for a target and a drafter that run at the same time (`PipelinedTarget` /
+        `PipelinedDrafter`); over blocking seams it only reorders the same calls."""
         if settings.mode != "ar" and drafter is None:
             raise ValueError(f"mode {settings.mode!r} needs a drafter")
         self.settings = settings
@@ -98,6 +106,11 @@ class SpecEngine:
         self._drafter_in_sync = self.drafter is not None
         self.num_drafter_losses = 0
         self.budget_policy = self._adaptive_budget() if settings.budget_policy == "adaptive" else None
+        if overlap and (self.drafter is None or self.budget_policy is not None):
+            raise ValueError("overlap needs a drafter and the fixed budget policy")
+        self.overlap = overlap
+        # Overlap: the draft in flight for the next step's first micro-batch (None: none yet).
+        self._carried: _CarriedDraft | None = None
 
     def _adaptive_budget(self) -> AdaptiveBudget:
         """The adaptive policy over the configured cost file, or a curve measured now (slots empty)."""
@@ -171,7 +184,10 @@ class SpecEngine:
             with self.timer.stage(Stage.PREFILL):
                 self._prefill(scheduled.prefills)
         running = [r for r in scheduled.running if not r.finished]  # some stop at their first token
-        if running:
+        if running and self.overlap and self._drafter_in_sync:
+            self._overlapped_step(running)
+        elif running:
+            self._carried = None  # a lost drafter: its restore hands every request a new context
             with self.timer.stage(Stage.DRAFT):
                 draft = self._draft(running)
             with self.timer.stage(Stage.BUILD):
@@ -223,6 +239,100 @@ class SpecEngine:
             request.pending_contexts = []
         _check_positions(requests, draft.num_context_tokens)
         return draft
+
+    # ------------------------------------------------------------------ the overlapped step
+
+    def _overlapped_step(self, running: list[Request]) -> None:
+        """Draft, build, verify and append every running request once, in two micro-batches.
+
+        The first micro-batch's draft was submitted at the end of the previous step (the
+        carried draft, plus a top-up draft when the second outnumbers it); the target verifies
+        the first while the drafter drafts the second, then verifies the second while the
+        drafter drafts the first's next block. Each request's draft, tree, coins and verify are
+        the ones the plain step makes (K is fixed at the engine's budget so drafts of different
+        calls share a shape), so the tokens are too; only the calls interleave.
+        """
+        with self.timer.stage(Stage.DRAFT):
+            first, first_draft = self._take_carried(running)
+            in_first = {r.request_id for r in first}
+            second = [r for r in running if r.request_id not in in_first]
+            top_up = second[: (len(second) - len(first)) // 2] if self._drafter_in_sync else []
+            if top_up:
+                second = second[len(top_up) :]
+                extra = self._await_draft(top_up, self._submit_draft(top_up))
+                first_draft = None if first_draft is None and first else _cat_drafts(first_draft, extra)
+                first = [*first, *top_up]
+        pending_second = self._submit_draft(second) if second and self._drafter_in_sync else None
+        if first:
+            with self.timer.stage(Stage.BUILD):
+                first_trees = self._build(first, first_draft)
+            with self.timer.stage(Stage.VERIFY):
+                first_verdict = self._submit_verify(first, first_trees).result()
+            with self.timer.stage(Stage.APPEND):
+                self._append(first, first_trees, first_verdict)
+        pending_verify = None
+        if second:
+            second_draft = None if pending_second is None else self._await_draft(second, pending_second)
+            with self.timer.stage(Stage.BUILD):
+                second_trees = self._build(second, second_draft)
+            pending_verify = self._submit_verify(second, second_trees)
+        # The first micro-batch's next draft runs while the target verifies the second; it
+        # takes at most half the batch, the rest join the second micro-batch next step.
+        next_first = [r for r in first if not r.finished][: (len(running) + 1) // 2]
+        if next_first and self._drafter_in_sync:
+            self._carried = _CarriedDraft(next_first, self._submit_draft(next_first))
+        if pending_verify is not None:
+            with self.timer.stage(Stage.VERIFY):
+                second_verdict = pending_verify.result()
+            with self.timer.stage(Stage.APPEND):
+                self._append(second, second_trees, second_verdict)
+
+    def _take_carried(self, running: list[Request]) -> tuple[list[Request], DraftOutput | None]:
+        """The carried draft's requests still running, and their rows of it."""
+        carried, self._carried = self._carried, None
+        if carried is None:
+            return [], None
+        draft = self._await_draft(carried.requests, carried.pending)
+        running_ids = {r.request_id for r in running}
+        rows = [i for i, r in enumerate(carried.requests) if r.request_id in running_ids]
+        requests = [carried.requests[i] for i in rows]
+        return requests, None if draft is None or not rows else _draft_rows(draft, rows)
+
+    def _submit_draft(self, requests: list[Request]) -> Pending[DraftOutput | None]:
+        """Submit one draft call at the engine's fixed K; the requests' contexts go with it."""
+        assert self.drafter is not None
+        top_k = 1 if self.settings.mode == "chain" else min(self.settings.budget, self.vocab_size)
+        bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
+        contexts = [tuple(r.pending_contexts) for r in requests]
+        assert all(contexts), "every running request has undrafted context"
+        inputs = DraftInput([_slot(r) for r in requests], bonus_tokens, contexts, top_k)
+        for request in requests:
+            request.pending_contexts = []
+        if isinstance(self.drafter, PipelinedDrafter):
+            return self.drafter.submit_draft(inputs)
+        try:
+            return Ready(self.drafter.draft(inputs))
+        except DrafterUnavailableError as error:
+            return _Raising(error)
+
+    def _await_draft(
+        self, requests: list[Request], pending: Pending[DraftOutput | None]
+    ) -> DraftOutput | None:
+        """The submitted draft, checked; None (root-only trees) when the drafter was lost."""
+        try:
+            draft = pending.result()
+        except DrafterUnavailableError as error:
+            self._lose_drafter(error)
+            return None
+        if draft is not None and self._drafter_in_sync:
+            _check_positions(requests, draft.num_context_tokens)
+        return draft if self._drafter_in_sync else None
+
+    def _submit_verify(self, requests: list[Request], trees: BuiltTrees) -> Pending[VerifyOutput]:
+        inputs = self._verify_input(requests, trees)
+        if isinstance(self.target, PipelinedTarget):
+            return self.target.submit_verify(inputs)
+        return Ready(self.target.verify_and_commit(inputs))
 
     def _drafter_ready(self, drafter: Drafter, requests: list[Request]) -> bool:
         """True when the drafter can draft for `requests` (every running request) this step."""
@@ -276,6 +386,15 @@ class SpecEngine:
 
     def _verify(self, requests: list[Request], trees: BuiltTrees) -> VerifyOutput:
         """One target call: forward over every tree, accept a path, commit its KV."""
+        inputs = self._verify_input(requests, trees)
+        started = time.perf_counter()
+        verdict = self.target.verify_and_commit(inputs)
+        if self.budget_policy is not None:
+            self.budget_policy.record_verify_ms(1000.0 * (time.perf_counter() - started))
+        return verdict
+
+    def _verify_input(self, requests: list[Request], trees: BuiltTrees) -> VerifyInput:
+        """The verify call of `requests`: their trees, sampling knobs and coins."""
         sampling = _sampling_batch([r.params for r in requests], self.vocab_size)
         coins = coin_final = None
         if not sampling.all_greedy:
@@ -290,7 +409,7 @@ class SpecEngine:
                 draws = _uniforms(request, num_nodes[i] + 1)
                 coins[i, : num_nodes[i]] = draws[:-1]
                 coin_final[i] = draws[-1]
-        inputs = VerifyInput(
+        return VerifyInput(
             [_slot(r) for r in requests],
             trees.batch,
             sampling,
@@ -298,11 +417,6 @@ class SpecEngine:
             coin_final,
             return_context=self._drafter_in_sync,
         )
-        started = time.perf_counter()
-        verdict = self.target.verify_and_commit(inputs)
-        if self.budget_policy is not None:
-            self.budget_policy.record_verify_ms(1000.0 * (time.perf_counter() - started))
-        return verdict
 
     def _append(self, requests: list[Request], trees: BuiltTrees, verdict: VerifyOutput) -> None:
         """Append each request's accepted tokens and bonus; stops drop what follows them."""
@@ -376,6 +490,47 @@ class SpecEngine:
         """
         room = self.max_seq_len - request.num_prompt_tokens - self.max_tree_tokens + 1
         return max(1, min(request.params.max_tokens, room))
+
+
+@dataclass(frozen=True)
+class _CarriedDraft:
+    """Overlap: a draft submitted for the next step's first micro-batch (rows follow `requests`)."""
+
+    requests: list[Request]
+    pending: Pending[DraftOutput | None]
+
+
+class _Raising:
+    """A `Pending` whose blocking call already failed: `result()` raises its error."""
+
+    def __init__(self, error: Exception) -> None:
+        self._error = error
+
+    def result(self) -> DraftOutput | None:
+        raise self._error
+
+
+def _draft_rows(draft: DraftOutput, rows: list[int]) -> DraftOutput:
+    """The draft of a subset of its requests (rows in order)."""
+    if rows == list(range(len(draft.num_context_tokens))):
+        return draft
+    index = torch.tensor(rows, dtype=torch.int64, device=draft.logp.device)
+    return DraftOutput(
+        draft.logp.index_select(0, index),
+        draft.ids.index_select(0, index),
+        tuple(draft.num_context_tokens[i] for i in rows),
+    )
+
+
+def _cat_drafts(head: DraftOutput | None, tail: DraftOutput | None) -> DraftOutput | None:
+    """Two drafts at one K as one (`head` None: just `tail`; `tail` None: the drafter was lost)."""
+    if tail is None or head is None:
+        return tail if head is None else None
+    return DraftOutput(
+        torch.cat([head.logp, tail.logp]),
+        torch.cat([head.ids, tail.ids]),
+        (*head.num_context_tokens, *tail.num_context_tokens),
+    )
 
 
 def _sampling_batch(params: list[SamplingParams], vocab_size: int) -> SamplingBatch:

@@ -76,6 +76,20 @@ class PlacementConfig(_Strict):
         "speculation group); 'in_process': both models inside the Coordinator replica (debugging, "
         "Serve's local testing mode).",
     )
+    transport: Literal["actor_calls", "compiled_graph"] = Field(
+        default="actor_calls",
+        description="How the Coordinator reaches the worker actors each step: 'actor_calls' (a Ray "
+        "actor call per seam call, features by ObjectRef) or 'compiled_graph' (one Ray Compiled "
+        "Graph over both actors: shared-memory channels, features target -> drafter inside the "
+        "graph, releases batched into the next call). Needs a drafter (not mode 'ar').",
+    )
+    overlap: bool = Field(
+        default=False,
+        description="Two micro-batches of the running requests in flight: the drafter drafts one "
+        "while the target verifies the other (a step costs about max(draft, verify) when the "
+        "actors have their own devices). Same tokens as without; needs workers 'actors', a "
+        "drafter and the fixed budget policy.",
+    )
     strategy: PlacementStrategy = Field(
         default="STRICT_PACK",
         description="Placement group strategy; STRICT_PACK keeps a group on one node so features "
@@ -344,6 +358,23 @@ class ServeConfig(_Strict):
                 "a tensor-parallel target on CUDA needs one GPU per rank: placement.target.num_gpus "
                 "1 (a bundle per rank) or tensor_parallel_size (one bundle)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_transport(self) -> "ServeConfig":
+        placement = self.placement
+        if placement.tensor_parallel_size > 1 and (placement.transport != "actor_calls" or placement.overlap):
+            raise ValueError(
+                "placement.transport 'compiled_graph' and placement.overlap serve one target actor: "
+                "use them with tensor_parallel_size 1"
+            )
+        if placement.transport == "compiled_graph" and self.engine.mode == "ar":
+            raise ValueError("placement.transport 'compiled_graph' needs a drafter (mode 'ar' has none)")
+        if placement.overlap:
+            if placement.workers != "actors":
+                raise ValueError("placement.overlap needs workers 'actors' (two processes to overlap)")
+            if self.engine.mode == "ar" or self.engine.budget_policy != "fixed":
+                raise ValueError("placement.overlap needs a drafter and budget_policy 'fixed'")
         return self
 
     @property

@@ -28,6 +28,7 @@ from ddtree_serve.engine.scheduler import QueueFullError
 from ddtree_serve.models import load_tokenizer
 from ddtree_serve.serve.autoscaling import serve_autoscaling_config
 from ddtree_serve.serve.chat import target_has_vision_tower
+from ddtree_serve.serve.compiled_graph import GraphDrafter, GraphTarget
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError, invalid
 from ddtree_serve.serve.group import placement_bundles, start_workers
@@ -106,14 +107,21 @@ class Coordinator:
             load.on_step(record)
 
         tokenizer = load_tokenizer(target_dir(config.engine))
-        engine = ObservedEngine(config.engine.to_settings(), target, drafter, tokenizer, observer=observe)
+        engine = ObservedEngine(
+            config.engine.to_settings(),
+            target,
+            drafter,
+            tokenizer,
+            observer=observe,
+            overlap=config.placement.overlap,
+        )
         llm = AsyncLLM(engine)
         telemetry.start_load_gauges(llm)
         self._init_shared(config, llm, telemetry, load)
         self._actors = {
             role: worker.actor
             for role, worker in (("target", target), ("drafter", drafter))
-            if isinstance(worker, RayTarget | RayDrafter)
+            if isinstance(worker, RayTarget | RayDrafter | GraphTarget | GraphDrafter)
         }
         # What a replacement after a fault costs, besides Serve's detection and process start.
         logger.info("speculation group up: workers and engine started in %.1f s", time.monotonic() - start_s)
@@ -236,7 +244,7 @@ class Coordinator:
         if not self._llm.is_running:
             raise RuntimeError("the engine thread stopped")
         target = self._llm.engine.target
-        if isinstance(target, RayTarget | RayTargetGroup):
+        if isinstance(target, RayTarget | RayTargetGroup | GraphTarget):
             await target.check_alive()
 
     async def worker_actors(self) -> dict[str, Any]:

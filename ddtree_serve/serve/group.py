@@ -4,7 +4,8 @@ One Coordinator replica is one group and one placement group. Bundle 0 holds the
 itself (Serve's rule), then the drafter, then the target group (one bundle, or one per
 tensor-parallel rank: `target_group.py`); mode "ar" has no drafter and therefore no drafter
 bundle, so the target moves up to bundle 1. The workers are Ray actors in those bundles, or
-in-process models inside the replica (placement.workers = "in_process").
+in-process models inside the replica (placement.workers = "in_process");
+`placement.transport` picks how the Coordinator reaches the actors (`compiled_graph.py`).
 
 When a worker dies: Ray restarts the drafter in its bundle (the engine decodes plainly until it
 is back, then rebuilds its context); the target is never restarted alone, because its KV
@@ -18,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory
 from ddtree_serve.engine.interfaces import Drafter, Target
+from ddtree_serve.serve.compiled_graph import graph_workers
 from ddtree_serve.serve.config import ServeConfig, WorkerResources
 from ddtree_serve.serve.target_group import start_target_group
 from ddtree_serve.serve.workers import (
@@ -104,4 +106,9 @@ def _start_actors(
     # Both workers start (process, imports, model load) at once; each adapter waits for its own,
     # so a group comes up, or is replaced after a fault, in the time of the slower one.
     target = RayTarget(target_actor)
-    return target, RayDrafter(drafter_actor) if drafter_actor is not None else None
+    if drafter_actor is None:
+        return target, None
+    drafter = RayDrafter(drafter_actor)
+    if placement.transport == "compiled_graph":
+        return graph_workers(target, drafter)
+    return target, drafter

@@ -8,7 +8,7 @@ the worker adapters pack every tensor inside their arguments and results with `t
 unpack with `from_wire`, walking lists, tuples and dataclasses.
 """
 
-import copy
+import copy as copying
 import dataclasses
 from typing import Any
 
@@ -37,14 +37,17 @@ def to_wire(value: Any) -> Any:
     return _map(value, to_wire)
 
 
-def from_wire(value: Any) -> Any:
-    """Inverse of `to_wire`: `WireTensor`s become CPU tensors again."""
+def from_wire(value: Any, copy: bool = False) -> Any:
+    """Inverse of `to_wire`: `WireTensor`s become CPU tensors again.
+
+    `copy`: every tensor owns its memory (values read from a compiled graph's channel are views
+    of its buffer, writable or not, which the writer waits on while they live)."""
     if isinstance(value, WireTensor):
         # Arrays from Ray's object store are read-only; torch tensors must own writable memory.
-        array = value.array if value.array.flags.writeable else value.array.copy()
+        array = value.array.copy() if copy or not value.array.flags.writeable else value.array
         tensor = torch.from_numpy(array)
         return tensor.view(value.dtype) if value.dtype in _VIEW_DTYPES else tensor
-    return _map(value, from_wire)
+    return _map(value, lambda item: from_wire(item, copy))
 
 
 def _map(value: Any, convert: Any) -> Any:
@@ -52,7 +55,7 @@ def _map(value: Any, convert: Any) -> Any:
         return type(value)(convert(item) for item in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # Frozen dataclasses: copy, then set each field (no __init__, so derived fields survive).
-        converted = copy.copy(value)
+        converted = copying.copy(value)
         for field in dataclasses.fields(value):
             object.__setattr__(converted, field.name, convert(getattr(value, field.name)))
         return converted

@@ -24,7 +24,7 @@ that Ray restarts (`max_restarts`, set by the group) without blocking the engine
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import ray
 from ray.exceptions import RayActorError
@@ -37,6 +37,7 @@ from ddtree_serve.engine.interfaces import (
     DraftInput,
     DraftOutput,
     EncodeInput,
+    Pending,
     PrefillInput,
     PrefillOutput,
     Target,
@@ -44,10 +45,13 @@ from ddtree_serve.engine.interfaces import (
     VerifyInput,
     VerifyOutput,
 )
+from ddtree_serve.serve.graph_calls import ContextDelivery, DrafterCall, TargetCall
 from ddtree_serve.serve.wire import from_wire, to_wire
 
 TargetFactory = Callable[[], Target]
 DrafterFactory = Callable[[], Drafter]
+
+ResultT = TypeVar("ResultT")
 
 Wired = Any
 """A value as `to_wire` left it (its tensors are `WireTensor`s): what an actor method receives."""
@@ -59,6 +63,8 @@ class TargetWorker:
 
     def __init__(self, build_target: TargetFactory) -> None:
         self._target = build_target()
+        # Compiled step graph only: (call id, wired output) of the last graph call.
+        self._last_graph_call: tuple[int | None, Wired] = (None, None)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -86,6 +92,38 @@ class TargetWorker:
     def release(self, slot: int) -> None:
         self._target.release(slot)
 
+    # -------------------------------------------------------------- compiled step graph side
+
+    @ray.method(num_returns=2)
+    def graph_call(self, call: TargetCall | None) -> tuple[Wired, ContextDelivery | None]:
+        """One graph execution's target call -> (wired output without context, the features for
+        the drafter). The last result is kept for `replay_graph_call`."""
+        if call is None:
+            return None, None
+        for slot in call.releases:
+            self._target.release(slot)
+        result: tuple[Wired, ContextDelivery | None] = (None, None)
+        if call.method is not None:
+            inputs = from_wire(call.inputs)
+            output = getattr(self._target, call.method)(inputs)
+            if call.method == "encode_context":
+                result = None, _delivery(inputs.slots, output)
+            else:
+                wants_context = call.method == "prefill" or inputs.return_context
+                context = _delivery(inputs.slots, output.context) if wants_context else None
+                result = to_wire(dataclasses.replace(output, context=None)), context
+        self._last_graph_call = (call.call_id, result[0])
+        return result
+
+    def replay_graph_call(self, call: TargetCall) -> Wired:
+        """The output of `call` after its graph broke (a lost drafter): kept if it ran, else run now.
+
+        Called with the graph torn down, so no graph call runs at the same time."""
+        last_id, output = self._last_graph_call
+        if last_id == call.call_id:
+            return output
+        return self.graph_call(call)[0]
+
 
 @ray.remote
 class DrafterWorker:
@@ -93,6 +131,8 @@ class DrafterWorker:
 
     def __init__(self, build_drafter: DrafterFactory) -> None:
         self._drafter = build_drafter()
+        # Compiled step graph only: each slot's features delivered since its last draft.
+        self._delivered: dict[int, list[Any]] = {}
 
     def describe(self) -> dict[str, Any]:
         return {"block_size": self._drafter.block_size}
@@ -111,6 +151,40 @@ class DrafterWorker:
 
     def release(self, slot: int) -> None:
         self._drafter.release(slot)
+        self._delivered.pop(slot, None)
+
+    # -------------------------------------------------------------- compiled step graph side
+
+    def graph_draft(self, call: DrafterCall | None) -> Wired:
+        """One graph execution's drafter call: releases, then the draft from delivered features."""
+        if call is None:
+            return None
+        for slot in call.releases:
+            self.release(slot)
+        if call.inputs is None:
+            return None
+        draft_input: DraftInput = from_wire(call.inputs)
+        contexts = []
+        for slot, slices in zip(draft_input.slots, draft_input.contexts, strict=True):
+            features = self._delivered.pop(slot, [])
+            if len(features) != len(slices):
+                raise RuntimeError(
+                    f"slot {slot}: {len(features)} context deliveries for {len(slices)} pending slices"
+                )
+            contexts.append([ContextSlice(features, i) for i in range(len(features))])
+        return to_wire(self._drafter.draft(dataclasses.replace(draft_input, contexts=contexts)))
+
+    def graph_take_context(self, delivery: ContextDelivery | None) -> int:
+        """Keeps a target call's features per slot, in commit order; returns how many slots got some.
+
+        Values read from a graph channel are views of its buffer, and the target cannot write
+        the next execution while one is held: each tensor is copied out."""
+        if delivery is None:
+            return 0
+        features = from_wire(delivery.features, copy=True)
+        for slot, tensor in zip(delivery.slots, features, strict=True):
+            self._delivered.setdefault(slot, []).append(tensor)
+        return len(delivery.slots)
 
 
 class RayTarget:
@@ -141,13 +215,19 @@ class RayTarget:
 
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         output_ref, context_ref = self._actor.prefill.remote(to_wire(inputs))
-        output: PrefillOutput = from_wire(self._get(output_ref))
+        output: PrefillOutput = _PendingCall(output_ref, _target_lost).result()
         return dataclasses.replace(output, context=context_ref)
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        return self.submit_verify(inputs).result()
+
+    def submit_verify(self, inputs: VerifyInput) -> Pending[VerifyOutput]:
+        """The verify call in flight: the drafter actor may run a draft meanwhile (overlap)."""
         output_ref, context_ref = self._actor.verify_and_commit.remote(to_wire(inputs))
-        output: VerifyOutput = from_wire(self._get(output_ref))
-        return dataclasses.replace(output, context=context_ref if inputs.return_context else None)
+        context = context_ref if inputs.return_context else None
+        return _PendingCall(
+            output_ref, _target_lost, lambda output: dataclasses.replace(output, context=context)
+        )
 
     def encode_context(self, inputs: EncodeInput) -> ContextHandle:
         # The features go target -> drafter: the ObjectRef is the handle (a failure shows in
@@ -159,13 +239,6 @@ class RayTarget:
         behind the step in progress)."""
         try:
             await self._actor.describe.remote()
-        except RayActorError as error:
-            raise _target_lost(error) from error
-
-    @staticmethod
-    def _get(ref: Any) -> Any:
-        try:
-            return ray.get(ref)
         except RayActorError as error:
             raise _target_lost(error) from error
 
@@ -206,6 +279,9 @@ class RayDrafter:
         return True
 
     def draft(self, inputs: DraftInput) -> DraftOutput:
+        return self.submit_draft(inputs).result()
+
+    def submit_draft(self, inputs: DraftInput) -> Pending[DraftOutput]:
         # Distinct producing calls in order (ObjectRefs hash and compare by object id); each
         # slice travels as (position of its call's ref among the top-level arguments, index).
         position: dict[Any, int] = {}
@@ -215,13 +291,39 @@ class RayDrafter:
         pointers = [[ContextSlice(position[c.handle], c.index) for c in slices] for slices in inputs.contexts]
         wired = to_wire(dataclasses.replace(inputs, contexts=pointers))
         handles = list(position)
-        try:
-            return from_wire(ray.get(self._actor.draft.remote(wired, *handles)))
-        except RayActorError as error:
-            raise DrafterUnavailableError(f"the drafter worker is lost ({type(error).__name__})") from error
+        return _PendingCall(self._actor.draft.remote(wired, *handles), _drafter_lost)
 
     def release(self, slot: int) -> None:
         self._actor.release.remote(slot)
+
+
+class _PendingCall(Generic[ResultT]):
+    """One actor call in flight: `result()` waits for it, unwires it and maps a lost actor."""
+
+    def __init__(
+        self,
+        ref: Any,
+        lost: Callable[[RayActorError], Exception],
+        finish: Callable[[Any], Any] = lambda output: output,
+    ) -> None:
+        self._ref = ref
+        self._lost = lost
+        self._finish = finish
+
+    def result(self) -> ResultT:
+        try:
+            wired = ray.get(self._ref)
+        except RayActorError as error:
+            raise self._lost(error) from error
+        return self._finish(from_wire(wired))
+
+
+def _delivery(slots: Any, context: ContextHandle) -> ContextDelivery:
+    return ContextDelivery(tuple(slots), to_wire(list(context)))
+
+
+def _drafter_lost(error: RayActorError) -> DrafterUnavailableError:
+    return DrafterUnavailableError(f"the drafter worker is lost ({type(error).__name__})")
 
 
 def _target_lost(error: RayActorError) -> TargetUnavailableError:

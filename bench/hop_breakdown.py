@@ -1,0 +1,363 @@
+"""Where the served path's per-step milliseconds go, hop by hop, on a local Ray cluster.
+
+Records the seam's real step payloads (`DraftInput` / `DraftOutput` / `VerifyInput` /
+`VerifyOutput` and the context features) from the in-process engine on the bundled pair, then
+replays them through each hop alone, with echo actors that do no model work:
+
+- `wire+pickle`: the coordinator's `to_wire` + pickle of the inputs and the reverse for the
+  outputs (what Ray's serializer does around every call), no Ray at all;
+- `submit`: the `.remote()` call returning its ObjectRef;
+- `actor call`: one blocking round trip (`ray.get(actor.echo.remote(payload))`), per seam call;
+- `ref forward`: the drafter call taking the target's context ObjectRef as an argument;
+- `compiled graph`: the same two calls as one Ray Compiled Graph over shared-memory channels
+  (draft, verify, and the features target -> drafter inside the graph);
+- `serve chunk`: one streamed chunk through a Serve deployment handle, through an ingress
+  deployment forwarding a handle stream, and through the HTTP proxy (SSE).
+
+The last table times whole engine steps on the real models: in process, over actor calls and
+over the compiled graph transport (when it is importable), rounds interleaved so the machine's
+load hits every configuration alike.
+
+    python bench/hop_breakdown.py --batch-sizes 1 4 16 --repeats 200
+"""
+
+import argparse
+import pickle
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.builder import target_dir
+from ddtree_serve.engine.interfaces import DraftInput, DraftOutput, VerifyInput, VerifyOutput
+from ddtree_serve.engine.local import build_local_engine
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.models import load_tokenizer
+from ddtree_serve.serve.wire import from_wire, to_wire
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once upon a time"]
+
+
+@dataclass(frozen=True)
+class StepPayload:
+    """One recorded step at one batch size: the seam's inputs and outputs, context as tensors."""
+
+    draft_input: DraftInput  # contexts replaced by (position, index) pointers, as on the wire
+    draft_output: DraftOutput
+    verify_input: VerifyInput
+    verify_output: VerifyOutput  # context=None
+    context: list[torch.Tensor]  # the verify call's features, one [1 + accept_len, F] per request
+
+
+class _Recorder:
+    """Wraps the engine's target/drafter and keeps the last call's arguments and results."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: dict[str, tuple[Any, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.inner, name)
+        if name not in ("draft", "verify_and_commit"):
+            return attribute
+
+        def recorded(inputs: Any) -> Any:
+            output = attribute(inputs)
+            self.calls[name] = (inputs, output)
+            return output
+
+        return recorded
+
+
+def record_payload(batch_size: int, budget: int) -> StepPayload:
+    """Steps the in-process engine on `batch_size` greedy requests and keeps a steady-state step."""
+    engine = build_local_engine(EngineConfig(budget=budget, max_num_seqs=batch_size, max_seq_len=512))
+    target, drafter = _Recorder(engine.target), _Recorder(engine.drafter)
+    engine.target, engine.drafter = target, drafter  # type: ignore[assignment]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(batch_size):
+        engine.add_request(f"r{i}", PROMPTS[i % len(PROMPTS)], params)
+    for _ in range(4):  # past the prefill: the drafter takes one verify call's context per request
+        engine.step()
+    draft_input, draft_output = drafter.calls["draft"]
+    verify_input, verify_output = target.calls["verify_and_commit"]
+    pointers = [[replace(c, handle=0) for c in slices] for slices in draft_input.contexts]
+    return StepPayload(
+        replace(draft_input, contexts=pointers),
+        draft_output,
+        verify_input,
+        replace(verify_output, context=None),
+        list(verify_output.context),
+    )
+
+
+@ray.remote
+class EchoWorker:
+    """Returns a fixed result for any input: the transport's cost with no model work."""
+
+    def __init__(self, result: Any, context: Any = None) -> None:
+        self._result = result
+        self._context = context
+
+    @ray.method(num_returns=2)
+    def verify(self, inputs: Any) -> tuple[Any, Any]:
+        return self._result, self._context
+
+    def draft(self, inputs: Any, *handles: Any) -> Any:
+        return self._result
+
+
+@ray.remote
+class GraphEchoDrafter:
+    """The drafter's half of the compiled step graph: draft, then take the target's features."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+        self._context: list[Any] = []
+
+    def draft(self, inputs: Any) -> Any:
+        return None if inputs is None else self._result
+
+    def take_context(self, context: Any) -> int:
+        # Values read from a channel are zero-copy views of its buffer: keep a copy, or the
+        # writer blocks on the next execution.
+        self._context = [] if context is None else [np.array(a.array) for a in context]
+        return len(self._context)
+
+
+@ray.remote
+class GraphEchoTarget:
+    def __init__(self, result: Any, context: Any) -> None:
+        self._result = result
+        self._context = context
+
+    @ray.method(num_returns=2)
+    def verify(self, inputs: Any) -> tuple[Any, Any]:
+        return (None, None) if inputs is None else (self._result, self._context)
+
+
+def _median_ms(run: Callable[[], Any], repeats: int) -> float:
+    run()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(samples)
+
+
+def hop_table(payload: StepPayload, repeats: int) -> dict[str, float]:
+    """Median ms of each hop for one recorded step (draft + verify unless named otherwise)."""
+    wired_draft_in, wired_verify_in = to_wire(payload.draft_input), to_wire(payload.verify_input)
+    wired_draft_out, wired_verify_out = to_wire(payload.draft_output), to_wire(payload.verify_output)
+    wired_context = to_wire(payload.context)
+
+    def serialize() -> None:
+        for value in (payload.draft_input, payload.verify_input):
+            pickle.loads(pickle.dumps(to_wire(value), protocol=5))
+        for value in (wired_draft_out, wired_verify_out):
+            from_wire(pickle.loads(pickle.dumps(value, protocol=5)))
+
+    drafter = EchoWorker.remote(wired_draft_out)
+    target = EchoWorker.remote(wired_verify_out, wired_context)
+    ray.get([drafter.draft.remote(None), target.verify.remote(None)[0]])
+
+    def actor_calls() -> None:
+        output_ref, context_ref = target.verify.remote(wired_verify_in)
+        ray.get(output_ref)
+        ray.get(drafter.draft.remote(wired_draft_in, context_ref))
+
+    def actor_calls_no_ref() -> None:
+        ray.get(target.verify.remote(wired_verify_in)[0])
+        ray.get(drafter.draft.remote(wired_draft_in))
+
+    submitted: list[Any] = []
+
+    def submit() -> None:
+        submitted.append(target.verify.remote(wired_verify_in))
+
+    figures = {
+        "wire+pickle (4 values)": _median_ms(serialize, repeats),
+        "submit (.remote only)": _median_ms(submit, repeats),
+        "actor calls, no ref": _median_ms(actor_calls_no_ref, repeats),
+        "actor calls + ref forward": _median_ms(actor_calls, repeats),
+    }
+    ray.get([refs[0] for refs in submitted])
+
+    graph_drafter = GraphEchoDrafter.remote(wired_draft_out)
+    graph_target = GraphEchoTarget.remote(wired_verify_out, wired_context)
+    from ray.dag import InputNode, MultiOutputNode
+
+    with InputNode() as step:
+        draft = graph_drafter.draft.bind(step[0])
+        verify, context = graph_target.verify.bind(step[1])
+        taken = graph_drafter.take_context.bind(context)
+        dag = MultiOutputNode([draft, verify, taken])
+    graph = dag.experimental_compile()
+    try:
+        figures["compiled graph, 2 executions"] = _median_ms(
+            lambda: (
+                ray.get(graph.execute(wired_draft_in, None)),
+                ray.get(graph.execute(None, wired_verify_in)),
+            ),
+            repeats,
+        )
+        figures["compiled graph, 1 execution (overlap)"] = _median_ms(
+            lambda: ray.get(graph.execute(wired_draft_in, wired_verify_in)), repeats
+        )
+    finally:
+        graph.teardown()
+    for actor in (drafter, target, graph_drafter, graph_target):
+        ray.kill(actor)
+    return figures
+
+
+def serve_chunk_table(num_chunks: int) -> dict[str, float]:
+    """ms per streamed chunk: a deployment handle, an ingress forwarding it, the HTTP proxy."""
+    import httpx
+    from ray import serve
+    from starlette.responses import StreamingResponse
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.25})
+    class Streamer:
+        async def chunks(self, n: int):  # type: ignore[no-untyped-def]
+            for i in range(n):
+                yield i
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.25})
+    class Forwarder:
+        def __init__(self, streamer: Any) -> None:
+            self._streamer = streamer.options(stream=True)
+
+        async def chunks(self, n: int):  # type: ignore[no-untyped-def]
+            async for item in self._streamer.chunks.remote(n):
+                yield item
+
+        async def __call__(self, request: Any) -> StreamingResponse:
+            n = int(request.query_params["n"])
+
+            async def sse():  # type: ignore[no-untyped-def]
+                async for item in self._streamer.chunks.remote(n):
+                    yield f"data: {item}\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+    port = _free_port()
+    serve.start(http_options={"port": port})
+    forwarder = serve.run(Forwarder.bind(Streamer.bind()), name="hops", route_prefix="/")
+    streamer = serve.get_deployment_handle("Streamer", app_name="hops").options(stream=True)
+    forwarding = forwarder.options(stream=True)
+
+    def drain(handle: Any) -> None:
+        for _ in handle.chunks.remote(num_chunks):
+            pass
+
+    def http() -> None:
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/?n={num_chunks}", timeout=60) as response:
+            for _ in response.iter_lines():
+                pass
+
+    figures = {
+        "serve chunk: handle": _median_ms(lambda: drain(streamer), 5) / num_chunks,
+        "serve chunk: ingress -> handle": _median_ms(lambda: drain(forwarding), 5) / num_chunks,
+        "serve chunk: HTTP proxy -> ingress -> handle": _median_ms(http, 5) / num_chunks,
+    }
+    serve.shutdown()
+    return figures
+
+
+def engine_step_table(batch_size: int, budget: int, steps: int, rounds: int) -> dict[str, float]:
+    """ms per engine step on the real models, per transport and overlap, rounds interleaved."""
+    from ddtree_serve.serve.config import ServeConfig
+    from ddtree_serve.serve.group import start_workers
+
+    engine_config = EngineConfig(budget=budget, max_num_seqs=batch_size, max_seq_len=512)
+    configurations = [
+        ("in_process", "in_process", "actor_calls", False),
+        ("actor_calls", "actors", "actor_calls", False),
+        ("actor_calls+overlap", "actors", "actor_calls", True),
+        ("compiled_graph", "actors", "compiled_graph", False),
+        ("compiled_graph+overlap", "actors", "compiled_graph", True),
+    ]
+    engines = {}
+    for name, workers, transport, overlap in configurations:
+        placement = {"workers": workers, "transport": transport}
+        config = ServeConfig(engine=engine_config, placement=placement)  # type: ignore[arg-type]
+        target, drafter = start_workers(config)
+        tokenizer = load_tokenizer(target_dir(engine_config))
+        settings = engine_config.to_settings()
+        engines[name] = SpecEngine(settings, target, drafter, tokenizer, overlap=overlap)
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    for round_index in range(rounds):
+        for name, engine in engines.items():
+            for i in range(batch_size):
+                engine.add_request(f"{round_index}-{i}", PROMPTS[i % len(PROMPTS)], params)
+            engine.step()  # prefill + first step out of the figure
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            samples[name].append(1e3 * (time.perf_counter() - start) / steps)
+            for i in range(batch_size):
+                engine.abort_request(f"{round_index}-{i}")
+            engine.step()
+    return {f"engine step: {name}": statistics.median(values) for name, values in samples.items()}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=200, help="Timed round trips per hop.")
+    parser.add_argument("--chunks", type=int, default=200, help="Chunks per timed stream.")
+    parser.add_argument("--steps", type=int, default=20, help="Timed engine steps per round.")
+    parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds per transport.")
+    parser.add_argument("--skip-engine", action="store_true", help="Only the echo hops.")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    payloads = {b: record_payload(b, args.budget) for b in args.batch_sizes}
+    ray_dir = tempfile.mkdtemp(prefix="ddtree-hops-")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=ray_dir)
+    try:
+        tables = {b: hop_table(p, args.repeats) for b, p in payloads.items()}
+        if not args.skip_engine:
+            for b in args.batch_sizes:
+                tables[b].update(engine_step_table(b, args.budget, args.steps, args.rounds))
+        chunks = serve_chunk_table(args.chunks)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+    names = list(tables[args.batch_sizes[0]])
+    print(f"\nbudget={args.budget}; median ms per step (draft + verify) unless named\n")
+    print("| hop | " + " | ".join(f"B={b}" for b in args.batch_sizes) + " |")
+    print("|---|" + "---|" * len(args.batch_sizes))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{tables[b][name]:.2f}" for b in args.batch_sizes) + " |")
+    print("\n| serve hop | ms per chunk |\n|---|---|")
+    for name, value in chunks.items():
+        print(f"| {name} | {value:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""The per-step actor hops as one Ray Compiled Graph (`placement.transport: compiled_graph`).
+
+A normal actor call costs a task submission, a scheduling round and an object-store result
+per call; the step makes two or three of them. A compiled graph is set up once over the two
+actors and then moves each execution's inputs and outputs through shared-memory channels
+(`bench/hop_breakdown.py` measures both). One graph serves every call of the step:
+
+    step[0] -> drafter.graph_draft ---------------------------------> draft output
+    step[1] -> target.graph_call -> output ------------------------> verify/prefill output
+                                 -> context -> drafter.graph_take_context
+
+so the target's features reach the drafter inside the graph and the Coordinator holds only a
+`GraphContext` marker. An execution carries a drafter call, a target call, or both: the
+overlapped step pairs the draft of one micro-batch with the verify of the other, which the two
+actors run at the same time. Ray 2.60 allows an actor in one compiled graph only, hence one
+graph for all of it; released slots travel with the next execution (`graph_calls.py`).
+
+Faults: a dead drafter breaks the graph. It is torn down (the actors live on), the target's
+call of the broken execution is replayed from the target's last result (or run, if it never
+ran), and target calls go as plain actor calls while `GraphDrafter.is_available` waits for Ray
+to restart the drafter; then the graph is compiled again and the engine rebuilds the
+drafter's context (`SpecEngine._restore_drafter`). A dead target is `TargetUnavailableError`.
+"""
+
+import dataclasses
+import logging
+from typing import Any, Generic, TypeVar
+
+import ray
+from ray.dag import InputNode, MultiOutputNode
+from ray.exceptions import RayActorError, RayChannelError
+
+from ddtree_serve.engine.interfaces import (
+    ContextHandle,
+    DrafterUnavailableError,
+    DraftInput,
+    DraftOutput,
+    EncodeInput,
+    Pending,
+    PrefillInput,
+    PrefillOutput,
+    TargetUnavailableError,
+    VerifyInput,
+    VerifyOutput,
+)
+from ddtree_serve.serve.graph_calls import DrafterCall, GraphContext, TargetCall, TargetMethod
+from ddtree_serve.serve.wire import from_wire, to_wire
+from ddtree_serve.serve.workers import RayDrafter, RayTarget
+
+logger = logging.getLogger(__name__)
+
+ResultT = TypeVar("ResultT")
+
+# Longest one execution may take (a long prompt's prefill on a big model); Ray's default is 10 s.
+_GET_TIMEOUT_S = 600.0
+# What a compiled graph raises when an actor in it is gone.
+_LOST = (RayChannelError, RayActorError)
+
+
+@dataclasses.dataclass
+class _Execution:
+    """One graph execution being filled, then its results (wired) or each side's error."""
+
+    draft: DrafterCall | None = None
+    target: TargetCall | None = None
+    done: bool = False
+    draft_result: Any = None  # unwired
+    target_result: Any = None
+    draft_error: Exception | None = None
+    target_error: Exception | None = None
+
+
+class _GraphPending(Generic[ResultT]):
+    """One side of an execution: `result()` runs the execution if it has not run yet."""
+
+    def __init__(self, graph: "StepGraph", execution: _Execution, role: str, finish: Any) -> None:
+        self._graph = graph
+        self._execution = execution
+        self._role = role
+        self._finish = finish
+
+    def result(self) -> ResultT:
+        if not self._execution.done:
+            self._graph.flush()
+        error = getattr(self._execution, f"{self._role}_error")
+        if error is not None:
+            raise error
+        return self._finish(getattr(self._execution, f"{self._role}_result"))
+
+
+class StepGraph:
+    """The compiled graph over one group's drafter and target actors, and its calls in order.
+
+    Calls queue into the open execution; a second call for the same side, or any `result()`,
+    runs it first. Not thread-safe: the engine thread drives it.
+    """
+
+    def __init__(self, target: RayTarget, drafter: RayDrafter) -> None:
+        self._target = target
+        self._drafter = drafter
+        self._open = _Execution()
+        self._call_ids = iter(range(1 << 62))
+        self._target_releases: list[int] = []
+        self._drafter_releases: list[int] = []
+        self._graph: Any = None
+        self._compile()
+
+    @property
+    def compiled(self) -> bool:
+        """False after the drafter was lost, until `recompile`."""
+        return self._graph is not None
+
+    def _compile(self) -> None:
+        drafter, target = self._drafter.actor, self._target.actor
+        with InputNode() as step:
+            draft = drafter.graph_draft.bind(step[0])
+            output, context = target.graph_call.options(num_returns=2).bind(step[1])
+            taken = drafter.graph_take_context.bind(context)
+            dag = MultiOutputNode([draft, output, taken])
+        self._graph = dag.experimental_compile()
+
+    def recompile(self) -> None:
+        """Compile again over the (restarted) drafter; its context starts empty."""
+        self._drafter_releases.clear()
+        self._compile()
+        logger.warning("compiled step graph rebuilt over the restarted drafter")
+
+    def teardown(self) -> None:
+        if self._graph is not None:
+            self._graph.teardown()
+            self._graph = None
+
+    # ------------------------------------------------------------------------------- calls
+
+    def submit_target(self, method: TargetMethod, inputs: Any, finish: Any) -> Pending[Any]:
+        if self._open.target is not None:
+            self.flush()
+        self._open.target = TargetCall(next(self._call_ids), (), method, to_wire(inputs))
+        return _GraphPending(self, self._open, "target", finish)
+
+    def submit_draft(self, inputs: DraftInput) -> Pending[DraftOutput]:
+        if self._open.draft is not None:
+            self.flush()
+        # The graph delivered the features already: the slices only count (GraphContext markers).
+        self._open.draft = DrafterCall((), to_wire(inputs))
+        return _GraphPending(self, self._open, "draft", lambda output: output)
+
+    def release_target(self, slot: int) -> None:
+        self._target_releases.append(slot)
+
+    def release_drafter(self, slot: int) -> None:
+        if self.compiled:
+            self._drafter_releases.append(slot)  # a lost drafter comes back with no slots held
+
+    def flush(self) -> None:
+        """Run the open execution (with the releases queued since the last one)."""
+        execution, self._open = self._open, _Execution()
+        if execution.target is not None or self._target_releases:
+            call = execution.target or TargetCall(next(self._call_ids), (), None, None)
+            execution.target = dataclasses.replace(call, releases=tuple(self._target_releases))
+            self._target_releases.clear()
+        if execution.draft is not None or self._drafter_releases:
+            call = execution.draft or DrafterCall((), None)
+            execution.draft = dataclasses.replace(call, releases=tuple(self._drafter_releases))
+            self._drafter_releases.clear()
+        if self.compiled:
+            self._run_compiled(execution)
+        else:
+            self._run_plain(execution)
+        execution.done = True
+
+    def _run_compiled(self, execution: _Execution) -> None:
+        draft_ref, target_ref, taken_ref = self._graph.execute(execution.draft, execution.target)
+        try:
+            # Channel values are views of the channel's buffer, which the next execution cannot
+            # write while one lives (a carried draft outlives a step): copied out at once.
+            execution.draft_result = from_wire(draft_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
+            execution.target_result = from_wire(target_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
+            taken_ref.get(timeout=_GET_TIMEOUT_S)
+        except _LOST as error:
+            self._break(execution, error)
+
+    def _break(self, execution: _Execution, error: Exception) -> None:
+        """An actor of the graph is gone: tear it down, tell which one, save the target's call."""
+        logger.warning("compiled step graph broke (%s); tearing it down", type(error).__name__)
+        try:
+            self._graph.teardown()
+        except Exception:  # a graph over a dead actor may fail its own teardown: it is gone anyway
+            logger.exception("teardown of the broken step graph failed")
+        self._graph = None
+        self._drafter_releases.clear()
+        execution.draft_result = None
+        execution.draft_error = DrafterUnavailableError(f"the drafter left the step graph ({error!r})")
+        if execution.target is not None:
+            self._run_plain_target(execution, replay=True)
+
+    def _run_plain(self, execution: _Execution) -> None:
+        """While the drafter is lost: the target's call as a plain actor call, no draft."""
+        if execution.draft is not None and execution.draft.inputs is not None:
+            execution.draft_error = DrafterUnavailableError("the drafter is lost; the graph waits for it")
+        if execution.target is not None:
+            self._run_plain_target(execution, replay=False)
+
+    def _run_plain_target(self, execution: _Execution, replay: bool) -> None:
+        assert execution.target is not None
+        actor = self._target.actor
+        ref = (actor.replay_graph_call if replay else actor.graph_call).remote(execution.target)
+        try:
+            execution.target_result = from_wire(ray.get(ref if replay else ref[0]))
+        except RayActorError as error:
+            execution.target_error = TargetUnavailableError(
+                f"the target worker died ({type(error).__name__})"
+            )
+
+
+class GraphTarget:
+    """`Target` (and `PipelinedTarget`) over the step graph; metadata from the `RayTarget`."""
+
+    def __init__(self, graph: StepGraph, target: RayTarget) -> None:
+        self._graph = graph
+        self._target = target
+
+    @property
+    def vocab_size(self) -> int:
+        return self._target.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._target.eos_token_ids
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._target.max_seq_len
+
+    @property
+    def actor(self) -> Any:
+        return self._target.actor
+
+    async def check_alive(self) -> None:
+        await self._target.check_alive()
+
+    def prefill(self, inputs: PrefillInput) -> PrefillOutput:
+        context = GraphContext(0)
+        pending = self._graph.submit_target(
+            "prefill", inputs, lambda output: dataclasses.replace(output, context=context)
+        )
+        return pending.result()
+
+    def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        return self.submit_verify(inputs).result()
+
+    def submit_verify(self, inputs: VerifyInput) -> Pending[VerifyOutput]:
+        context = GraphContext(0) if inputs.return_context else None
+        return self._graph.submit_target(
+            "verify_and_commit", inputs, lambda output: dataclasses.replace(output, context=context)
+        )
+
+    def encode_context(self, inputs: EncodeInput) -> ContextHandle:
+        self._graph.submit_target("encode_context", inputs, lambda output: output).result()
+        return GraphContext(0)
+
+    def release(self, slot: int) -> None:
+        self._graph.release_target(slot)
+
+
+class GraphDrafter:
+    """`Drafter` (and `PipelinedDrafter`) over the step graph; its features came through it."""
+
+    def __init__(self, graph: StepGraph, drafter: RayDrafter) -> None:
+        self._graph = graph
+        self._drafter = drafter
+
+    @property
+    def block_size(self) -> int:
+        return self._drafter.block_size
+
+    @property
+    def actor(self) -> Any:
+        return self._drafter.actor
+
+    def is_available(self) -> bool:
+        """After a loss: True once Ray restarted the drafter and the graph is compiled again."""
+        if self._graph.compiled:
+            return True
+        if not self._drafter.is_available():
+            return False
+        self._graph.recompile()
+        return True
+
+    def draft(self, inputs: DraftInput) -> DraftOutput:
+        return self.submit_draft(inputs).result()
+
+    def submit_draft(self, inputs: DraftInput) -> Pending[DraftOutput]:
+        return self._graph.submit_draft(inputs)
+
+    def release(self, slot: int) -> None:
+        self._graph.release_drafter(slot)
+
+
+def graph_workers(target: RayTarget, drafter: RayDrafter) -> tuple[GraphTarget, GraphDrafter]:
+    """The seam over one compiled step graph of the group's two actors."""
+    graph = StepGraph(target, drafter)
+    return GraphTarget(graph, target), GraphDrafter(graph, drafter)

@@ -1,0 +1,49 @@
+"""What one execution of the compiled step graph carries to each worker, and back.
+
+`compiled_graph.py` drives the graph; the workers (`workers.py`) run these calls. One execution
+carries at most one drafter call and one target call (the overlapped step pairs a draft of one
+micro-batch with the verify of the other), each after the slots released since the previous
+execution: releases travel with the next call instead of as calls of their own, and stay in
+order with the graph's calls (Ray orders a caller's actor calls, not a graph's channels).
+The target's context features reach the drafter inside the graph as a `ContextDelivery`; the
+engine only ever holds a `GraphContext` marker.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+TargetMethod = Literal["prefill", "verify_and_commit", "encode_context"]
+
+
+@dataclass(frozen=True)
+class TargetCall:
+    """A target seam call in one graph execution, numbered so a broken execution can be replayed."""
+
+    call_id: int
+    releases: tuple[int, ...]  # slots to release first
+    method: TargetMethod | None  # None: only the releases
+    inputs: Any  # the wired seam input of `method`
+
+
+@dataclass(frozen=True)
+class DrafterCall:
+    releases: tuple[int, ...]  # slots to release first (their undrafted context goes too)
+    inputs: Any  # a wired `DraftInput` (its contexts count slices only), or None: releases only
+
+
+@dataclass(frozen=True)
+class ContextDelivery:
+    """Features of one target call for the drafter: entry i belongs to slot `slots[i]`."""
+
+    slots: tuple[int, ...]
+    features: Any  # wired list of [n_i, F] tensors
+
+
+@dataclass(frozen=True)
+class GraphContext:
+    """The engine's `ContextHandle` over the graph: the features already went to the drafter.
+
+    The drafter keeps each slot's delivered features in order and drafts from them; a
+    `ContextSlice` pointing here only counts as one delivered entry (checked there)."""
+
+    call_id: int

@@ -1,0 +1,204 @@
+"""The compiled step graph and the overlapped step on a real local Ray cluster (CPU).
+
+Every configuration drives one `SpecEngine` over real `TargetWorker` / `DrafterWorker` actors
+on the bundled pair and must give the in-process engine's tokens exactly: greedy requests
+joining and leaving a mixed batch, streams cancelled in either micro-batch, and seeded sampling
+whichever micro-batch a request lands in.
+"""
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.builder import target_dir
+from ddtree_serve.engine.local import build_local_engine
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.models import load_tokenizer
+from ddtree_serve.serve.compiled_graph import GraphTarget
+from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.group import start_workers
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ENGINE = EngineConfig(mode="ddtree", budget=8, max_num_seqs=4, max_queue_len=8, max_seq_len=256)
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(10):", "def fib(n):"]
+# (transport, overlap): the configurations under test; actor calls without overlap is main's path.
+CONFIGS = [("compiled_graph", False), ("compiled_graph", True), ("actor_calls", True)]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    temp_dir = tempfile.mkdtemp(prefix="ddtree-transport-")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"{c[0]}-overlap{int(c[1])}")
+def served_engine(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator[SpecEngine]:
+    transport, overlap = request.param
+    config = ServeConfig(engine=ENGINE, placement={"transport": transport, "overlap": overlap})  # type: ignore[arg-type]
+    target, drafter = start_workers(config)
+    assert isinstance(target, GraphTarget) == (transport == "compiled_graph")
+    engine = SpecEngine(
+        ENGINE.to_settings(), target, drafter, load_tokenizer(target_dir(ENGINE)), overlap=overlap
+    )
+    yield engine
+    if isinstance(target, GraphTarget):
+        target._graph.teardown()
+    for actor in (target.actor, drafter.actor):  # type: ignore[union-attr]
+        ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def local_engine() -> SpecEngine:
+    return build_local_engine(ENGINE)
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _run(engine: SpecEngine, schedule: list[tuple[int, str, str, SamplingParams]]) -> dict[str, list[int]]:
+    """Adds each (step, request id, prompt, params) at its step, steps until idle; final tokens."""
+    finished: dict[str, list[int]] = {}
+    step = 0
+    pending = sorted(schedule, key=lambda item: item[0])
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, request_id, prompt, params = pending.pop(0)
+            engine.add_request(request_id, prompt, params)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+        step += 1
+    return finished
+
+
+def _mixed_schedule(tag: str) -> list[tuple[int, str, str, SamplingParams]]:
+    """Requests of different lengths joining at different steps; more than fit at once."""
+    lengths = [40, 9, 25, 3, 30, 17]
+    return [
+        (2 * i, f"{tag}{i}", PROMPTS[i % len(PROMPTS)], _greedy(length)) for i, length in enumerate(lengths)
+    ]
+
+
+def test_greedy_mixed_batch_equals_the_in_process_engine(
+    served_engine: SpecEngine, local_engine: SpecEngine
+) -> None:
+    served = _run(served_engine, _mixed_schedule("g"))
+    local = _run(local_engine, _mixed_schedule("g"))
+    assert served == local
+    assert len(served) == 6
+    assert served_engine.scheduler.num_free_slots == ENGINE.max_num_seqs
+
+
+def test_cancelling_in_either_micro_batch_frees_its_slot(
+    served_engine: SpecEngine, local_engine: SpecEngine
+) -> None:
+    for i in range(4):
+        served_engine.add_request(f"c{i}", PROMPTS[i], _greedy(200))
+    for _ in range(3):
+        served_engine.step()
+    carried = served_engine._carried
+    if served_engine.overlap:  # one request of each micro-batch
+        assert carried is not None
+        first = carried.requests[0].request_id
+        second = next(f"c{i}" for i in range(4) if f"c{i}" not in {r.request_id for r in carried.requests})
+        cancelled = [first, second]
+    else:
+        cancelled = ["c0", "c3"]
+    for request_id in cancelled:
+        served_engine.abort_request(request_id)
+    outputs = {o.request_id: o for o in served_engine.step()}
+    assert all(outputs[r].finish_reason == "abort" for r in cancelled)
+    # The freed slots take newcomers at once, whose tokens are the in-process engine's.
+    newcomers = [(0, f"n{i}", PROMPTS[4 - i], _greedy(12)) for i in range(2)]
+    served = _run(served_engine, newcomers)
+    for i in range(4):
+        served_engine.abort_request(f"c{i}")
+    _run(served_engine, [])
+    assert {k: v for k, v in served.items() if k.startswith("n")} == _run(local_engine, newcomers)
+    assert served_engine.scheduler.num_free_slots == ENGINE.max_num_seqs
+
+
+def test_seeded_sampling_is_the_same_in_either_micro_batch(
+    served_engine: SpecEngine, local_engine: SpecEngine
+) -> None:
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = _run(local_engine, [(0, "s", PROMPTS[1], seeded)])["s"]
+    others = [(0, f"o{i}", PROMPTS[i + 2], _greedy(30)) for i in range(3)]
+    # First in the scheduled order, "s" leads the first micro-batch; joining a step after the
+    # others, it starts in the second.
+    micro_batches = set()
+    for joins_at, schedule in (
+        (0, [(0, "s", PROMPTS[1], seeded), *others]),
+        (1, [*others, (1, "s", PROMPTS[1], seeded)]),
+    ):
+        tokens, first = _run_tracking(served_engine, schedule, "s", joins_at + 1)
+        assert tokens == alone
+        micro_batches.add(first)
+    if served_engine.overlap:
+        assert micro_batches == {True, False}
+
+
+def _run_tracking(
+    engine: SpecEngine, schedule: list[tuple[int, str, str, SamplingParams]], request_id: str, at_step: int
+) -> tuple[list[int], bool]:
+    """`_run`, also saying whether `request_id` was in the first micro-batch after `at_step` steps."""
+    steps_taken = 0
+    in_first = False
+    step = engine.step
+
+    def counted_step() -> list[Any]:
+        nonlocal steps_taken, in_first
+        outputs = step()
+        steps_taken += 1
+        if steps_taken == at_step and engine._carried is not None:
+            in_first = request_id in {r.request_id for r in engine._carried.requests}
+        return outputs
+
+    engine.step = counted_step  # type: ignore[method-assign]
+    try:
+        return _run(engine, schedule)[request_id], in_first
+    finally:
+        del engine.step
+
+
+def test_a_killed_drafter_decodes_plainly_then_speculates_again(
+    served_engine: SpecEngine, local_engine: SpecEngine
+) -> None:
+    """Last in the module: the graph breaks, is torn down, and is compiled over the new drafter."""
+    schedule = [(0, f"k{i}", PROMPTS[i], _greedy(60)) for i in range(3)]
+    expected = _run(local_engine, schedule)
+    for _, request_id, prompt, params in schedule:
+        served_engine.add_request(request_id, prompt, params)
+    finished: dict[str, list[int]] = {}
+    for step in range(400):
+        if step == 3:
+            ray.kill(served_engine.drafter.actor, no_restart=False)  # type: ignore[union-attr]
+        for output in served_engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+        if not served_engine.has_unfinished_requests():
+            break
+    assert finished == expected
+    assert served_engine.num_drafter_losses == 1
+    # Once Ray restarted it, the drafter's context is rebuilt and the next requests speculate.
+    for _ in range(600):
+        if served_engine.drafter.is_available():  # type: ignore[union-attr]
+            break
+        time.sleep(0.1)
+    again = [(0, "after", PROMPTS[4], _greedy(20))]
+    assert _run(served_engine, again) == _run(local_engine, again)
+    assert served_engine.speculating
