@@ -11,9 +11,9 @@ and the served / in-process throughput ratio.
     python bench/serve_load.py --device cuda --dtype bfloat16      # both actors on one GPU (0.5 each)
     python bench/serve_load.py --transport actor_calls compiled_graph --overlap off on
 
-Each (transport, overlap) pair is its own application (speculation group) on the one cluster,
-under its own route prefix and gRPC application name; every level runs all of them back to
-back, so a load change on a shared machine hits every configuration alike.
+Each (transport, overlap) pair is its own application (speculation group) under its own route
+prefix and gRPC application name, deployed in turn on the one cluster; `--repeats` sweeps
+interleave them, with the in-process engine measured next to each.
 
 Every request uses greedy decoding with `ignore_eos`, so all of them generate exactly
 `--max-tokens` tokens and the three paths do the same work. On a small CPU machine the Ray
@@ -177,53 +177,75 @@ def _free_port() -> int:
 async def run_all(
     engine_config: EngineConfig, configs: list[ServeConfig], args: argparse.Namespace
 ) -> list[LevelResult]:
-    """Every level runs in-process, HTTP and gRPC back to back (`--repeats` sweeps), so a load
-    change on a shared machine hits all three paths alike; a level's result is its median sweep."""
+    """Each sweep (`--repeats`) deploys the configurations one at a time and runs every level
+    in process, over HTTP and over gRPC back to back, so a load change on a shared machine hits
+    all paths alike; a level's result is its median sweep. One application at a time: an idle
+    compiled graph's actors poll their channels, a core each, which would slow the others."""
     from ddtree_serve.serve.protos import DDTreeServeStub
 
     llm = AsyncLLM(build_local_engine(engine_config))
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
+    sweeps: dict[tuple[str, int], list[LevelResult]] = {}
+    order = ["in-process"]
     try:
         async with (
             httpx.AsyncClient(timeout=600, limits=limits) as client,
             grpc.aio.insecure_channel(f"127.0.0.1:{configs[0].grpc.port}") as channel,
         ):
-            paths = {"in-process": engine_request(llm, args.max_tokens)}
-            for config in configs:
-                url = f"http://127.0.0.1:{config.http.port}/{config.app_name}"
-                paths[f"http {config.app_name}"] = http_request(client, url, args.max_tokens)
-                stub = DDTreeServeStub(channel)
-                paths[f"grpc {config.app_name}"] = grpc_request(stub, args.max_tokens, config.app_name)
-            for request in paths.values():
-                await closed_loop(request, 1, 2)  # warm-up: first-call costs out of the figures
-            sweeps: dict[tuple[str, int], list[LevelResult]] = {}
+            local = engine_request(llm, args.max_tokens)
+            await closed_loop(local, 1, 2)  # warm-up: first-call costs out of the figures
             for _ in range(args.repeats):
-                for concurrency in args.concurrency:
-                    num_requests = max(args.min_requests, args.requests_per_client * concurrency)
-                    for path, request in paths.items():
-                        timings, wall_s = await closed_loop(request, concurrency, num_requests)
-                        sweeps.setdefault((path, concurrency), []).append(
-                            LevelResult(path, concurrency, timings, wall_s)
-                        )
+                for config in configs:
+                    await asyncio.to_thread(deploy, config)
+                    url = f"http://127.0.0.1:{config.http.port}/{config.app_name}"
+                    paths = {
+                        f"http {config.app_name}": http_request(client, url, args.max_tokens),
+                        f"grpc {config.app_name}": grpc_request(
+                            DDTreeServeStub(channel), args.max_tokens, config.app_name
+                        ),
+                    }
+                    order += [path for path in paths if path not in order]
+                    for request in paths.values():
+                        await closed_loop(request, 1, 2)
+                    paths["in-process"] = local
+                    for concurrency in args.concurrency:
+                        num_requests = max(args.min_requests, args.requests_per_client * concurrency)
+                        for path, request in paths.items():
+                            timings, wall_s = await closed_loop(request, concurrency, num_requests)
+                            sweeps.setdefault((path, concurrency), []).append(
+                                LevelResult(path, concurrency, timings, wall_s)
+                            )
+                    await asyncio.to_thread(undeploy, config)
     finally:
         llm.shutdown()
     medians = [sorted(runs, key=lambda r: r.throughput)[len(runs) // 2] for runs in sweeps.values()]
-    order = list(paths)
     return sorted(medians, key=lambda r: (order.index(r.path), r.concurrency))
 
 
-def start_applications(configs: list[ServeConfig], ray_dir: str) -> None:
-    """One Ray cluster, the proxies of the first config, one application per config."""
+def start_cluster(config: ServeConfig, ray_dir: str) -> None:
+    """One Ray cluster and Serve with the proxies of `config`; applications come and go."""
     import ray
     from ray import serve
 
-    from ddtree_serve.serve.app import build_app, serve_start_options
+    from ddtree_serve.serve.app import serve_start_options
 
-    num_gpus = 1 if configs[0].engine.device.startswith("cuda") else 0
+    num_gpus = 1 if config.engine.device.startswith("cuda") else 0
     ray.init(address="local", num_cpus=2, num_gpus=num_gpus, include_dashboard=False, _temp_dir=ray_dir)
-    serve.start(**serve_start_options(configs[0]))
-    for config in configs:
-        serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+    serve.start(**serve_start_options(config))
+
+
+def deploy(config: ServeConfig) -> None:
+    from ray import serve
+
+    from ddtree_serve.serve.app import build_app
+
+    serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+
+
+def undeploy(config: ServeConfig) -> None:
+    from ray import serve
+
+    serve.delete(config.app_name)
 
 
 def stop_application(ray_dir: str) -> None:
@@ -287,9 +309,9 @@ def main() -> None:
         device=args.device,
         dtype=args.dtype,
     )
-    # On one GPU every group's drafter and target actors share it; on CPU they reserve none.
+    # On one GPU the group's drafter and target actors share it (half each); on CPU they reserve none.
     combos = [(t, o == "on") for t in args.transport for o in args.overlap]
-    gpu_share = 0.5 / len(combos) if args.device.startswith("cuda") else 0.0
+    gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": _free_port()}, "grpc": {"port": _free_port()}}
     configs = [
         ServeConfig(
@@ -310,7 +332,7 @@ def main() -> None:
         for transport, overlap in combos
     ]
     ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
-    start_applications(configs, ray_dir)
+    start_cluster(configs[0], ray_dir)
     try:
         results = asyncio.run(run_all(engine_config, configs, args))
     finally:

@@ -125,7 +125,13 @@ class StepGraph:
         self._compile()
         logger.warning("compiled step graph rebuilt over the restarted drafter")
 
-    def teardown(self) -> None:
+    def close(self) -> None:
+        """Run the releases still queued, then tear the graph down; the actors live on.
+
+        An idle compiled graph's actors poll their channels, a CPU core each: close a graph
+        that will not run again."""
+        if self._target_releases or self._drafter_releases:
+            self.flush()
         if self._graph is not None:
             self._graph.teardown()
             self._graph = None
@@ -261,6 +267,10 @@ class GraphTarget:
 
     def release(self, slot: int) -> None:
         self._graph.release_target(slot)
+
+    def close(self) -> None:
+        """Tear down the step graph (after its queued releases); see `StepGraph.close`."""
+        self._graph.close()
 
 
 class GraphDrafter:

@@ -55,7 +55,7 @@ def served_engine(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator
     )
     yield engine
     if isinstance(target, GraphTarget):
-        target._graph.teardown()
+        target.close()
     for actor in (target.actor, drafter.actor):  # type: ignore[union-attr]
         ray.kill(actor)
 
