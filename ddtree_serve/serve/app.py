@@ -72,4 +72,8 @@ def grpc_options(config: ServeConfig) -> gRPCOptions:
 
 def serve_start_options(config: ServeConfig) -> dict[str, Any]:
     """Keyword arguments of `serve.start` for the proxies this application needs."""
-    return {"http_options": http_options(config), "grpc_options": grpc_options(config)}
+    return {
+        "proxy_location": config.proxy_location,
+        "http_options": http_options(config),
+        "grpc_options": grpc_options(config),
+    }

@@ -341,6 +341,11 @@ class ServeConfig(_Strict):
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig, description="Group count.")
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP proxy address.")
     grpc: GRPCConfig = Field(default_factory=GRPCConfig, description="gRPC proxy address.")
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        default="EveryNode",
+        description="Where Serve runs the HTTP/gRPC proxies (Serve's `proxy_location`). A proxy "
+        "on a node that goes away takes its open connections with it.",
+    )
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig, description="Telemetry.")
 
     @model_validator(mode="after")
@@ -387,7 +392,8 @@ class ServeConfig(_Strict):
         """Reads a plain ServeConfig YAML or a Serve config file (`serve run` format).
 
         For a Serve config file the first application's `args` are the ServeConfig, and the
-        file's `http_options` / `grpc_options` ports fill `http` / `grpc`, so one file drives
+        file's `http_options` / `grpc_options` ports fill `http` / `grpc` (and its
+        `proxy_location` the field of that name), so one file drives
         both `serve run` and `ddtree-serve serve`.
         """
         raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -414,4 +420,6 @@ def serve_file_to_args(raw: dict[str, Any]) -> dict[str, Any]:
         args["http"] = http
     if grpc:
         args["grpc"] = grpc
+    if "proxy_location" in raw:
+        args["proxy_location"] = raw["proxy_location"]
     return args

@@ -31,13 +31,25 @@ MAX_REQUEST_ID_CHARS = 256
 PromptT = TypeVar("PromptT", str, tuple[int, ...])
 
 
+def cancelled_downstream() -> bool:
+    """True inside an `except CancelledError` when the Coordinator's side was cancelled, not us.
+
+    Serve stops a replica on a drained or removed node by cancelling its in-flight requests; the
+    handle re-raises that in the ingress as `asyncio.CancelledError` although the ingress task
+    itself was never cancelled (`cancelling()` counts only cancellations of this task). That is a
+    lost group, retriable, not a client that went away.
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
 def as_error(error: BaseException) -> RequestError:
     """Every failure as a `RequestError`, so both protocols answer it the same way."""
     if (request_error := as_request_error(error)) is not None:
         return request_error
     if isinstance(error, BackPressureError):
         return RequestError(ErrorKind.OVERLOADED, "the server is at capacity; retry later")
-    if is_lost_replica(error):
+    if is_lost_replica(error) or isinstance(error, asyncio.CancelledError):
         logger.warning("request lost its speculation group (%s); answered as retriable", type(error).__name__)
         return RequestError(
             ErrorKind.UNAVAILABLE, "the speculation group serving this request was lost; retry"
@@ -94,7 +106,7 @@ class IngressCore:
             first = await stream.__anext__()
         except BaseException as error:
             stream.cancel()
-            if isinstance(error, asyncio.CancelledError):
+            if isinstance(error, asyncio.CancelledError) and not cancelled_downstream():
                 raise
             raise as_error(error) from error
         return first, stream
@@ -108,7 +120,12 @@ class IngressCore:
         try:
             yield first
             while not finished:
-                chunk: GenerationChunk = await stream.__anext__()
+                try:
+                    chunk: GenerationChunk = await stream.__anext__()
+                except asyncio.CancelledError as error:
+                    if cancelled_downstream():
+                        raise as_error(error) from error
+                    raise
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:

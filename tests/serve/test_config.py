@@ -7,7 +7,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from ddtree_serve.serve.app import GRPC_SERVICER_FUNCTIONS
+from ddtree_serve.serve.app import GRPC_SERVICER_FUNCTIONS, serve_start_options
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.coordinator import Coordinator
 from ddtree_serve.serve.launcher import add_serve_arguments, config_from_args
@@ -101,6 +101,8 @@ def test_every_deployment_yaml_validates_and_registers_both_grpc_services(path: 
     assert tuple(raw["grpc_options"]["grpc_servicer_functions"]) == GRPC_SERVICER_FUNCTIONS
     assert config.http.port == raw["http_options"]["port"]
     assert config.grpc.port == raw["grpc_options"]["port"]
+    assert config.proxy_location == raw.get("proxy_location", "EveryNode")
+    assert serve_start_options(config)["proxy_location"] == config.proxy_location
     bundles = Coordinator.get_deployment_options(config)["placement_group_bundles"]
     assert len(bundles) == 2 + len(config.placement.target_bundles())  # coordinator, drafter, target
 

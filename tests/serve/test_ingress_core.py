@@ -18,7 +18,7 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError
 from ddtree_serve.serve.ingress import Ingress, error_response
-from ddtree_serve.serve.ingress_core import as_error
+from ddtree_serve.serve.ingress_core import IngressCore, as_error
 from ddtree_serve.serve.protocol import GenerationChunk
 
 
@@ -81,3 +81,69 @@ def test_a_stream_whose_replica_dies_ends_with_a_retriable_error_event() -> None
     error_event = json.loads(lines[-2].removeprefix("data: "))
     assert error_event["error"]["type"] == "service_unavailable_error"
     assert error_event["error"]["code"] == "503"
+
+
+class _StreamCancelledDownstream:
+    """A Coordinator stream whose replica Serve stopped: `__anext__` raises CancelledError."""
+
+    def __init__(self, chunks_before: int) -> None:
+        self.left = chunks_before
+        self.cancelled = False
+
+    async def __anext__(self) -> GenerationChunk:
+        if self.left == 0:
+            raise asyncio.CancelledError()
+        self.left -= 1
+        return GenerationChunk(request_id="r", text="Once", token_ids=(1,), finish_reason=None)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("chunks_before", [0, 2], ids=["before_first_chunk", "mid_stream"])
+def test_a_replica_stopped_under_a_stream_is_retriable_not_a_cut(chunks_before: int) -> None:
+    # Serve stops the replicas of a removed node by cancelling their requests; the ingress task
+    # itself was not cancelled, so this must answer UNAVAILABLE instead of escaping as a cancel.
+    stream = _StreamCancelledDownstream(chunks_before)
+    ingress = SimpleNamespace(
+        _coordinator=SimpleNamespace(
+            options=lambda **_: SimpleNamespace(generate=SimpleNamespace(remote=lambda _request: stream))
+        )
+    )
+
+    async def consume() -> list[GenerationChunk]:
+        first, rest = await IngressCore._open(ingress, None)
+        return [chunk async for chunk in IngressCore._rest(first, rest)]
+
+    with pytest.raises(RequestError) as raised:
+        asyncio.run(consume())
+    assert raised.value.kind is ErrorKind.UNAVAILABLE
+    assert stream.cancelled
+
+
+def test_a_client_that_goes_away_still_cancels() -> None:
+    """The ingress task's own cancellation propagates: it is not mistaken for a lost group."""
+
+    class Hanging(_StreamCancelledDownstream):
+        async def __anext__(self) -> GenerationChunk:
+            if self.left == 0:
+                await asyncio.Event().wait()
+            return await super().__anext__()
+
+    stream = Hanging(1)
+
+    async def consume() -> None:
+        first = await stream.__anext__()
+        task = asyncio.create_task(_drain(IngressCore._rest(first, stream)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(consume())
+    assert stream.cancelled
+
+
+async def _drain(chunks: AsyncIterator[GenerationChunk]) -> None:
+    async for _ in chunks:
+        pass

@@ -73,6 +73,9 @@ def served(tiny_model_dirs: TinyModelDirs) -> Iterator[Served]:
             "metrics_interval_s": 0.5,
         },
         observability={"metrics": False},
+        # The clients connect to the head's proxy: a proxy on a removed node would take its own
+        # connections with it, which is a load balancer's concern, not what is tested here.
+        proxy_location="HeadOnly",
     )
     config = ServeConfig.model_validate(raw)
     reference_llm = LLM.from_config(EngineConfig.model_validate(config.engine.model_dump()))
