@@ -100,9 +100,10 @@ class TraceRecorder:
         inputs, draft = self._draft
         self._draft = None
         accept_index, accept_len = output.accept_index.tolist(), output.accept_len.tolist()
+        k = min(self.budget, draft.logp.shape[-1])
+        logp, ids = draft.logp[..., :k].float().cpu(), draft.ids[..., :k].cpu()  # the host builder
         for i, bonus in enumerate(inputs.bonus_tokens.tolist()):
-            k = min(self.budget, draft.logp.shape[-1])
-            tree = build_ddtree(draft.logp[i, :, :k], draft.ids[i, :, :k], self.budget, bonus)
+            tree = build_ddtree(logp[i], ids[i], self.budget, bonus)
             self.steps.append(TraceStep(tree, tuple(accept_index[i][1 : 1 + accept_len[i]])))
 
 
@@ -184,7 +185,7 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep]]:
         configs.append(("adaptive", adaptive))
         row: dict = {"concurrency": concurrency}
         for name, engine in configs:
-            row[name] = _tokens_per_s(engine, prompts, concurrency, args.max_tokens)
+            row[name] = _tokens_per_s(engine, prompts, concurrency, args.max_tokens, args.warmup_runs)
         rows.append(row)
         print(_row_line(row), flush=True)
     return rows, recorder.steps
@@ -201,15 +202,24 @@ def _engine(config: EngineConfig, policy: str, target, drafter, tokenizer) -> Sp
     return SpecEngine(_settings(config, policy, None), target, drafter, tokenizer)
 
 
-def _tokens_per_s(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> float:
+def _tokens_per_s(
+    engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, warmup_runs: int
+) -> float:
+    """Generated tokens/s of the last of `warmup_runs + 1` identical runs.
+
+    The untimed runs take first-use costs out of the figure: on CUDA, graphs are captured the
+    first time a (batch, tokens, rows) bucket is met, and the adaptive budget meets new ones.
+    """
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i in range(concurrency):
-        engine.add_request(str(i), prompts[i % len(prompts)], params)
-    started = time.perf_counter()
-    num_tokens = 0
-    while engine.has_unfinished_requests():
-        num_tokens += sum(out.num_new_tokens for out in engine.step())
-    return num_tokens / (time.perf_counter() - started)
+    for run in range(warmup_runs + 1):
+        for i in range(concurrency):
+            engine.add_request(f"{run}-{i}", prompts[i % len(prompts)], params)
+        started = time.perf_counter()
+        num_tokens = 0
+        while engine.has_unfinished_requests():
+            num_tokens += sum(out.num_new_tokens for out in engine.step())
+        elapsed = time.perf_counter() - started
+    return num_tokens / elapsed
 
 
 # ----------------------------------------------------------------------------- simulation
@@ -346,6 +356,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--max-seq-len", type=int, default=512)
+    parser.add_argument(
+        "--warmup-runs", type=int, default=1, help="untimed runs before each timed one (graph capture)"
+    )
     parser.add_argument(
         "--simulate-cost", type=Path, default=None, help="cost curve JSON: simulate, run no model"
     )
