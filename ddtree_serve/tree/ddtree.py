@@ -11,6 +11,7 @@ and the chosen set is ancestor-closed.
 from __future__ import annotations
 
 import heapq
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -38,23 +39,25 @@ def build_ddtree(logp: Any, ids: Any, budget: int, root_token: int) -> DraftTree
     if num_levels == 0 or num_ranks == 0 or budget <= 0:
         return _as_tree(np.array([root_token], dtype=np.int64), depths, parents, logws)
 
-    # Heap entry: (-logw, rank path, parent node, depth, rank). Paths are unique, so comparison
-    # never reaches the trailing fields.
-    heap: list[tuple[float, tuple[int, ...], int, int, int]] = [(-logp_rows[0][0], (0,), 0, 1, 0)]
+    # Heap entry: (-logw, rank-path key, parent node, depth, rank). The key is the rank path as
+    # one integer, digit `rank + 1` in base K + 1 at place L - depth: integer order is the paths'
+    # lexicographic order with a prefix first, and a child's or sibling's key is one addition
+    # away (no tuple per push). Keys are unique, so comparison never reaches the trailing fields.
+    place = _path_places(num_levels, num_ranks)
+    heap = [(-logp_rows[0][0], place[1], 0, 1, 0)]
     push, pop = heapq.heappush, heapq.heappop
     num_nodes = 1
     while heap and num_nodes <= budget:
-        neg_logw, path, parent, depth, rank = pop(heap)
-        logw = -neg_logw
+        neg_logw, key, parent, depth, rank = pop(heap)
         depths.append(depth)
         parents.append(parent)
         ranks.append(rank)
-        logws.append(logw)
+        logws.append(-neg_logw)
         if rank + 1 < num_ranks:
             sibling_logw = logws[parent] + logp_rows[depth - 1][rank + 1]
-            push(heap, (-sibling_logw, (*path[:-1], rank + 1), parent, depth, rank + 1))
+            push(heap, (-sibling_logw, key + place[depth], parent, depth, rank + 1))
         if depth < num_levels:
-            push(heap, (-(logw + logp_rows[depth][0]), (*path, 0), num_nodes, depth + 1, 0))
+            push(heap, (neg_logw - logp_rows[depth][0], key + place[depth + 1], num_nodes, depth + 1, 0))
         num_nodes += 1
 
     depth_index = np.array(depths, dtype=np.int64)
@@ -82,6 +85,12 @@ def build_chain(ids_row0: Any, root_token: int, logp_row0: Any = None) -> DraftT
         list(range(-1, num_levels)),
         logws,
     )
+
+
+@cache
+def _path_places(num_levels: int, num_ranks: int) -> tuple[int, ...]:
+    """Place value of each depth's digit in a rank-path key: (K + 1) ** (L - depth)."""
+    return tuple((num_ranks + 1) ** (num_levels - depth) for depth in range(num_levels + 1))
 
 
 def _as_tree(token_ids: np.ndarray, depths: list[int], parents: list[int], logws: list[float]) -> DraftTree:
