@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.budget import AdaptiveBudget, CostCurve, load_cost_curve, tree_prefix
+from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, load_cost_curve, tree_prefix
 from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
 from ddtree_serve.engine.interfaces import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from ddtree_serve.engine.sampling_params import SamplingParams
@@ -166,7 +166,12 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep]]:
     calibrating = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     cost_path.write_text(json.dumps(calibrating.budget_policy.cost.to_json()) + "\n")
-    print(f"start-up cost calibration: {time.perf_counter() - started:.1f} s -> {cost_path}", flush=True)
+    build_path = args.out_dir / f"budget_build_cost_{args.device.split(':')[0]}.json"
+    build_path.write_text(json.dumps(calibrating.budget_policy.build.to_json()) + "\n")
+    print(
+        f"start-up cost calibration: {time.perf_counter() - started:.1f} s -> {cost_path}, {build_path}",
+        flush=True,
+    )
 
     recorder = TraceRecorder(max(budgets))
     rows = []
@@ -235,7 +240,7 @@ def run_simulation(args: argparse.Namespace, traces: list[TraceStep]) -> list[di
         steps = [
             [traces[j] for j in rng.integers(0, len(traces), size=concurrency)] for _ in range(args.sim_steps)
         ]
-        cost = _simulation_cost(args)
+        cost, build = _simulation_cost(args), _simulation_build_cost(args)
         row: dict = {"concurrency": concurrency}
         ar_ms = float(cost.verify_ms(concurrency, concurrency))
         row["ar"] = 1000.0 * concurrency / ar_ms
@@ -243,11 +248,18 @@ def run_simulation(args: argparse.Namespace, traces: list[TraceStep]) -> list[di
             tokens, ms = 0.0, 0.0
             for batch in steps:
                 tokens += sum(_accepted_within(step, budget) + 1 for step in batch)
-                ms += cost.draft_ms(concurrency) + float(
-                    cost.verify_ms(concurrency, concurrency * (budget + 1))
+                ms += (
+                    cost.draft_ms(concurrency)
+                    + float(build.ms(concurrency, budget))
+                    + float(cost.verify_ms(concurrency, concurrency * (budget + 1)))
                 )
             row[f"ddtree-{budget}"] = 1000.0 * tokens / ms
-        row["adaptive"] = _simulate_adaptive(steps, _simulation_cost(args), max(budgets))
+        row["adaptive"] = _simulate_adaptive(steps, _simulation_cost(args), max(budgets), build, build)
+        if build.per_node_ms or build.per_step_ms or build.per_request_ms:
+            # The policy as it was before it priced the build: the same steps, the same charge.
+            row["adaptive-forwards-only"] = _simulate_adaptive(
+                steps, _simulation_cost(args), max(budgets), build, BuildCost(0.0, 0.0, 0.0)
+            )
         rows.append(row)
         print(_row_line(row), flush=True)
     return rows
@@ -260,17 +272,55 @@ def _simulation_cost(args: argparse.Namespace) -> CostCurve:
     return cost
 
 
-def _simulate_adaptive(steps: list[list[TraceStep]], cost: CostCurve, ceiling: int) -> float:
-    """The engine's own `AdaptiveBudget` per simulated step; times are the curve's predictions."""
-    policy = AdaptiveBudget(cost)
+def _simulation_build_cost(args: argparse.Namespace) -> BuildCost:
+    """The host build's cost in the simulation: the file's, or free (only the forwards priced)."""
+    if args.build_cost is None:
+        return BuildCost(0.0, 0.0, 0.0)
+    return BuildCost.from_json(json.loads(args.build_cost.read_text()))
+
+
+def fit_build_cost(sweep: dict, traces: list[TraceStep], cost: CostCurve) -> BuildCost:
+    """What a live sweep's drafted steps cost beyond their two forwards, as a `BuildCost`.
+
+    Per concurrency c and fixed budget b: the measured step time (tau_b * c / tokens per s, tau_b
+    from the traces' greedy acceptance within b nodes) minus the curve's draft and verify
+    forwards, minus what a plain step costs beyond its forward (the same row's ar), fitted
+    linearly in (1, c, c * b). A model of that machine's host work, for simulations.
+    """
+    points = []
+    for row in sweep["rows"]:
+        concurrency = row["concurrency"]
+        plain_extra = 1000.0 * concurrency / row["ar"] - float(cost.verify_ms(concurrency, concurrency))
+        for name in (k for k in row if k.startswith("ddtree-")):
+            budget = int(name.removeprefix("ddtree-"))
+            tau = 1.0 + float(np.mean([_accepted_within(step, budget) for step in traces]))
+            measured = 1000.0 * tau * concurrency / row[name]
+            forwards = cost.draft_ms(concurrency) + float(
+                cost.verify_ms(concurrency, concurrency * (budget + 1))
+            )
+            points.append((concurrency, budget, measured - forwards - plain_extra))
+    return BuildCost.fit(points)
+
+
+def _simulate_adaptive(
+    steps: list[list[TraceStep]], cost: CostCurve, ceiling: int, charged: BuildCost, known: BuildCost
+) -> float:
+    """The engine's own `AdaptiveBudget` per simulated step; times are the models' predictions.
+
+    A step's build costs what `charged` predicts for its ceiling, as for the fixed budgets; the
+    policy prices ceilings with `known`."""
+    policy = AdaptiveBudget(cost, known)
     tokens, ms = 0.0, 0.0
     for batch in steps:
         caps = [ceiling] * len(batch)
-        if policy.should_draft(caps):
+        step_ceiling = policy.plan(caps)
+        if step_ceiling > 0:
             draft_ms = cost.draft_ms(len(batch))
             policy.record_draft_ms(draft_ms)
-            allocation = policy.choose([step.tree for step in batch], caps)
+            built = [tree_prefix(step.tree, step_ceiling) for step in batch]
+            allocation = policy.choose(built, [step_ceiling] * len(batch))
             num_nodes = allocation.num_nodes
+            draft_ms += float(charged.ms(len(batch), step_ceiling))
         else:
             draft_ms, num_nodes = 0.0, (0,) * len(batch)
         trees = [tree_prefix(step.tree, n) for step, n in zip(batch, num_nodes, strict=True)]
@@ -369,6 +419,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--draft-ms", type=float, default=None, help="simulation: drafter ms (default: the file's)"
     )
     parser.add_argument("--sim-steps", type=int, default=200, help="simulated steps per concurrency")
+    parser.add_argument(
+        "--build-cost",
+        type=Path,
+        default=None,
+        help="simulation: host build cost JSON (per_step_ms, per_request_ms, per_node_ms; default: free)",
+    )
+    parser.add_argument(
+        "--fit-build-cost",
+        type=Path,
+        default=None,
+        help="simulation: fit the host build cost from this live sweep's JSON (with its cost curve "
+        "as --simulate-cost and its --traces) and use it",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     return parser.parse_args(argv)
@@ -389,12 +452,22 @@ def main(argv: list[str] | None = None) -> None:
         if not args.traces.exists():
             raise SystemExit(f"no traces at {args.traces}: run the live sweep first (it records them)")
         traces = [TraceStep.from_json(t) for t in json.loads(args.traces.read_text())]
+        if args.fit_build_cost is not None:
+            fitted = fit_build_cost(
+                json.loads(args.fit_build_cost.read_text()), traces, _simulation_cost(args)
+            )
+            args.build_cost = args.out_dir / "budget_build_cost_fitted.json"
+            args.build_cost.write_text(json.dumps(fitted.to_json()) + "\n")
+            print(
+                f"host build cost fitted from {args.fit_build_cost}: {fitted.to_json()} -> {args.build_cost}"
+            )
         draft_ms = (
             args.draft_ms if args.draft_ms is not None else load_cost_curve(args.simulate_cost).draft_ms(1)
         )
         title = (
             f"SIMULATION: {len(traces)} recorded bundled-drafter steps x cost {args.simulate_cost.name}"
             f" (draft {draft_ms:g} ms)"
+            + ("" if args.build_cost is None else f" + host build {args.build_cost.name}")
         )
         rows, stem = run_simulation(args, traces), "budget_sweep_sim"
     table = markdown_table(rows, title)

@@ -6,9 +6,10 @@ One step, for every running request at once, in the stages of `STEP_STAGES`:
     -> postprocess (free finished slots, outputs)
 Mode "ar" skips the drafter: each tree is its root alone, verified through the same path, so
 one loop serves plain decoding, chains and DDTrees. With `budget_policy="adaptive"` (ddtree) an
-`AdaptiveBudget` decides per step whether to draft at all and how many of each request's
-best-first nodes to verify (a prefix of the tree built at its ceiling); a step that does not
-draft verifies root-only trees, and the drafter later takes every context slice it missed.
+`AdaptiveBudget` decides per step how wide to draft and build (the ceiling; 0 = do not draft)
+and how many of each request's best-first nodes to verify (a prefix of the tree built at the
+ceiling); a step that does not draft verifies root-only trees, and the drafter later takes
+every context slice it missed.
 
 A lost drafter (`DrafterUnavailableError`) costs speed only: the loop goes on as in mode "ar"
 until the drafter is available again, then the target re-encodes every running request's
@@ -27,6 +28,7 @@ from ddtree_serve.engine.budget import (
     AdaptiveBudget,
     ModelCostProbe,
     load_cost_curve,
+    measure_build_cost,
     measure_cost_curve,
     powers_of_two_upto,
     tree_prefix,
@@ -54,7 +56,7 @@ from ddtree_serve.engine.scheduler import ScheduledStep, Scheduler
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.stop import StopChecker
 from ddtree_serve.engine.timing import Stage, StageTimer
-from ddtree_serve.engine.tree_builder import BuiltTrees, TreeBuilder
+from ddtree_serve.engine.tree_builder import BuiltTrees, TreeBuilder, build_host_trees
 from ddtree_serve.tree import build_verify_batch
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,7 @@ class SpecEngine:
         # `DrafterUnavailableError` until `_restore_drafter` has handed it whole contexts again.
         self._drafter_in_sync = self.drafter is not None
         self.num_drafter_losses = 0
+        self._ceiling = 0  # the adaptive policy's tree ceiling for the step under way
         self.budget_policy = self._adaptive_budget() if settings.budget_policy == "adaptive" else None
         if overlap and (self.drafter is None or self.budget_policy is not None):
             raise ValueError("overlap needs a drafter and the fixed budget policy")
@@ -116,13 +119,13 @@ class SpecEngine:
         """The adaptive policy over the configured cost file, or a curve measured now (slots empty)."""
         if self.settings.mode != "ddtree" or self.drafter is None:
             raise ValueError("budget_policy 'adaptive' needs mode 'ddtree'")
-        if self.settings.cost_curve is not None:
-            return AdaptiveBudget(load_cost_curve(self.settings.cost_curve))
         probe = ModelCostProbe(self.target, self.drafter, top_k=min(self.settings.budget, self.vocab_size))
-        cost = measure_cost_curve(
-            probe, powers_of_two_upto(self.settings.max_num_seqs), powers_of_two_upto(self.max_tree_tokens)
-        )
-        return AdaptiveBudget(cost)
+        batch_sizes = powers_of_two_upto(self.settings.max_num_seqs)
+        build = measure_build_cost(probe, batch_sizes, powers_of_two_upto(self.settings.budget))
+        if self.settings.cost_curve is not None:
+            return AdaptiveBudget(load_cost_curve(self.settings.cost_curve), build)
+        cost = measure_cost_curve(probe, batch_sizes, powers_of_two_upto(self.max_tree_tokens))
+        return AdaptiveBudget(cost, build)
 
     # ----------------------------------------------------------------------------- requests
 
@@ -218,11 +221,12 @@ class SpecEngine:
         """
         if self.drafter is None or not self._drafter_ready(self.drafter, requests):
             return None
-        if self.budget_policy is not None and not self.budget_policy.should_draft(
-            [self._budget(r) for r in requests]
-        ):
-            return None
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
+        if self.budget_policy is not None:
+            self._ceiling = self.budget_policy.plan([self._budget(r) for r in requests])
+            if self._ceiling == 0:
+                return None
+            top_k = min(top_k, self._ceiling)
         contexts = [tuple(r.pending_contexts) for r in requests]
         assert all(contexts), "every running request has undrafted context"
         bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
@@ -368,21 +372,31 @@ class SpecEngine:
     def _build(self, requests: list[Request], draft: DraftOutput | None) -> BuiltTrees:
         """One tree per request from its draft, padded into the verify batch (host or device).
 
-        With the adaptive policy each host tree, built at its ceiling, is cut to the best-first
-        prefix the policy allocates (a prefix of a best-first tree is itself a DDTree)."""
-        built = self.tree_builder.build(
+        With the adaptive policy each host tree, built at the step's ceiling, is cut to the
+        best-first prefix the policy allocates (a prefix of a best-first tree is itself a DDTree).
+        """
+        if self.budget_policy is not None and draft is not None:
+            return self._build_allocated(requests, draft, self.budget_policy)
+        return self.tree_builder.build(
             None if draft is None else draft.logp,
             None if draft is None else draft.ids,
             [self._budget(r) for r in requests],
             [_bonus(r) for r in requests],
             chain=self.settings.mode == "chain",
         )
-        if self.budget_policy is None or draft is None:
-            return built
-        assert built.trees is not None, "the adaptive budget allocates over host-built trees"
-        allocation = self.budget_policy.choose(built.trees, [self._budget(r) for r in requests])
-        trees = [tree_prefix(t, n) for t, n in zip(built.trees, allocation.num_nodes, strict=True)]
-        return BuiltTrees(build_verify_batch(trees), [t.num_nodes for t in trees], trees)
+
+    def _build_allocated(
+        self, requests: list[Request], draft: DraftOutput, policy: AdaptiveBudget
+    ) -> BuiltTrees:
+        """Host trees at the ceiling, cut to the allocation; the stage's time prices the next ceilings."""
+        started = time.perf_counter()
+        caps = [min(self._budget(r), self._ceiling) for r in requests]
+        built = build_host_trees(draft.logp, draft.ids, caps, [_bonus(r) for r in requests])
+        allocation = policy.choose(built, caps)
+        trees = [tree_prefix(t, n) for t, n in zip(built, allocation.num_nodes, strict=True)]
+        batch = BuiltTrees(build_verify_batch(trees), [t.num_nodes for t in trees], trees)
+        policy.record_build_ms(1000.0 * (time.perf_counter() - started))
+        return batch
 
     def _verify(self, requests: list[Request], trees: BuiltTrees) -> VerifyOutput:
         """One target call: forward over every tree, accept a path, commit its KV."""

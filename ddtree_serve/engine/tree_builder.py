@@ -105,17 +105,27 @@ def _build_on_host(
     logp: torch.Tensor, ids: torch.Tensor, budgets: Sequence[int], root_tokens: Sequence[int], chain: bool
 ) -> BuiltTrees:
     """The reference: one tree per request by the heap builder, then the padded batch."""
+    trees = build_host_trees(logp, ids, budgets, root_tokens, chain=chain)
+    return BuiltTrees(build_verify_batch(trees), [tree.num_nodes for tree in trees], trees)
+
+
+def build_host_trees(
+    logp: torch.Tensor,
+    ids: torch.Tensor,
+    budgets: Sequence[int],
+    root_tokens: Sequence[int],
+    chain: bool = False,
+) -> list[DraftTree]:
+    """One host tree per request from the draft's `logp`, `ids` [B, L, K] (any device)."""
     packed = torch.cat([logp.float(), ids.to(torch.float32)], dim=-1).cpu()  # one copy; ids < 2^24
     num_ranks = logp.shape[-1]
     logp_np, ids_np = packed[..., :num_ranks].numpy(), packed[..., num_ranks:].long().numpy()
     if chain:
-        trees = [build_chain(ids_np[b, :, 0], root, logp_np[b, :, 0]) for b, root in enumerate(root_tokens)]
-    else:
-        trees = [
-            build_ddtree(logp_np[b, :, :budget], ids_np[b, :, :budget], budget, root)
-            for b, (budget, root) in enumerate(zip(budgets, root_tokens, strict=True))
-        ]
-    return BuiltTrees(build_verify_batch(trees), [tree.num_nodes for tree in trees], trees)
+        return [build_chain(ids_np[b, :, 0], root, logp_np[b, :, 0]) for b, root in enumerate(root_tokens)]
+    return [
+        build_ddtree(logp_np[b, :, :budget], ids_np[b, :, :budget], budget, root)
+        for b, (budget, root) in enumerate(zip(budgets, root_tokens, strict=True))
+    ]
 
 
 @dataclass

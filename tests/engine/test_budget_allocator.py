@@ -8,6 +8,7 @@ import torch
 
 from ddtree_serve.engine.budget import (
     AdaptiveBudget,
+    BuildCost,
     CostCurve,
     DraftGate,
     allocate,
@@ -74,17 +75,34 @@ def test_non_increasing_order_is_enforced_so_shares_are_prefixes():
     assert allocation.num_nodes == (1,)  # the 0.8 behind a 0.1 counts as 0.1
 
 
+FREE_BUILD = BuildCost(0.0, 0.0, 0.0)
+
+
 def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
     gate = DraftGate(probe_interval=4)
     costly_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=20.0)
-    assert gate.decide([8, 8], costly_drafter, "padded")  # no curve yet: draft to learn one
+    assert gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") == 8  # no curve yet: learn one
     gate.record_curve([UNSURE, UNSURE])
     assert plain_decode_rate(2, costly_drafter) > 0
-    decisions = [gate.decide([8, 8], costly_drafter, "padded") for _ in range(10)]
-    assert decisions == [False, False, False, False, True, False, False, False, False, True]
+    ceilings = [gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") for _ in range(10)]
+    assert ceilings == [0, 0, 0, 0, 8, 0, 0, 0, 0, 8]  # a probe after 4 plain steps
     cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
     gate.record_curve([CONFIDENT, CONFIDENT])
-    assert gate.decide([8, 8], cheap_drafter, "padded")
+    assert gate.ceiling([8, 8], cheap_drafter, FREE_BUILD, "padded") > 0
+
+
+def test_a_costly_build_narrows_the_ceiling_and_a_probe_widens_it_again():
+    """The build is paid at the ceiling, before the allocator cuts: costly nodes, narrow trees."""
+    gate = DraftGate(probe_interval=3)
+    curve = linear_curve(fixed_ms=5.0, per_token_ms=0.0, draft_ms=0.5)  # free forward nodes
+    gate.record_curve([CONFIDENT, CONFIDENT])
+    assert gate.ceiling([8, 8], curve, FREE_BUILD, "padded") == 8
+    per_node = BuildCost(0.0, 0.0, per_node_ms=1.5)  # 1.5 ms per node built
+    ceilings = [gate.ceiling([8, 8], curve, per_node, "padded") for _ in range(8)]
+    narrow = min(ceilings)
+    assert 0 < narrow < 8
+    # Every 4th step (after 3 narrow ones) builds twice as wide, so the curve past it stays known.
+    assert ceilings == [narrow, narrow, narrow, 2 * narrow, narrow, narrow, narrow, 2 * narrow]
 
 
 def test_gate_follows_the_recent_curve():
@@ -118,7 +136,7 @@ def test_policy_learns_from_what_verification_accepted():
     policy = AdaptiveBudget(linear_curve(4.0, 0.3, draft_ms=1.0), layout="packed")
     first = policy.choose([tree], [16])
     for _ in range(60):
-        policy.should_draft([16])  # starts the step; this test drafts whatever the gate says
+        policy.plan([16])  # starts the step; this test drafts whatever the gate says
         policy.record_draft_ms(1.0)
         allocation = policy.choose([tree], [16])
         policy.record_verify_ms(5.0)
@@ -135,7 +153,7 @@ def test_policy_learns_from_what_verification_accepted():
 def test_a_plain_step_teaches_the_cost_curve_only():
     policy = AdaptiveBudget(linear_curve(4.0, 0.3, draft_ms=1.0))
     calibrated_before = policy.calibrator.calibrate(np.array([0.5]))
-    policy.should_draft([8])
+    policy.plan([8])
     policy.record_verify_ms(50.0)
     record = policy.observe([tree_prefix(build_ddtree(*random_draft(1), 8, 3), 0)], [[]])
     assert not record.drafted and record.num_nodes == (0,) and record.predicted_per_request == (0.0,)

@@ -1,12 +1,15 @@
 """Adaptive tree budgets: calibrated acceptance, a measured cost curve, and the per-step choice."""
 
 from ddtree_serve.engine.budget.allocator import Allocation, TokenLayout, allocate, plain_decode_rate
+from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve, load_cost_curve
 from ddtree_serve.engine.budget.draft_gate import DraftGate
 from ddtree_serve.engine.budget.measure import (
+    BuildProbe,
     CostProbe,
     ModelCostProbe,
+    measure_build_cost,
     measure_cost_curve,
     powers_of_two_upto,
 )
@@ -17,6 +20,8 @@ __all__ = [
     "AdaptiveBudget",
     "Allocation",
     "BudgetStep",
+    "BuildCost",
+    "BuildProbe",
     "CostCurve",
     "CostProbe",
     "DraftGate",
@@ -24,6 +29,7 @@ __all__ = [
     "TokenLayout",
     "allocate",
     "load_cost_curve",
+    "measure_build_cost",
     "measure_cost_curve",
     "plain_decode_rate",
     "powers_of_two_upto",

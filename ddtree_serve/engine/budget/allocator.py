@@ -97,10 +97,11 @@ def _allocate_padded(probs: list[np.ndarray], cost: StepCost, draft_ms: float) -
     batch_size = len(probs)
     widest = max(len(p) for p in probs)
     widths = np.arange(widest + 1)  # draft nodes of the widest tree
-    expected = np.full(widest + 1, float(batch_size))
-    for p in probs:
-        cumulative = np.concatenate(([0.0], np.cumsum(p)))
-        expected += cumulative[np.minimum(widths, len(p))]
+    padded = np.zeros((batch_size, widest))
+    for i, p in enumerate(probs):
+        padded[i, : len(p)] = p
+    # A request shorter than the width adds nothing past its end: sum the columns, then cumulate.
+    expected = batch_size + np.concatenate(([0.0], np.cumsum(padded.sum(axis=0))))
     step_ms = draft_ms + cost.verify_ms(batch_size, batch_size * (widths + 1))
     best = int(np.argmax(expected / step_ms))
     num_nodes = np.array([min(best, len(p)) for p in probs])

@@ -1,11 +1,15 @@
-"""Whether a step drafts at all, decided before drafting from recent acceptance.
+"""How wide a step builds its trees, decided before drafting from recent acceptance.
 
-Skipping the drafter saves its call; the step is then a plain decode (root-only trees). The
-gate predicts the drafted step's rate from the recent acceptance curve (an EMA, per best-first
-position, of the calibrated acceptance probabilities of the latest drafted trees, averaged over
-their requests) as if every running request had that curve, and drafts only when that beats
-plain decoding. After `probe_interval` plain steps in a row it drafts once regardless, so the
-curve stays current and the engine can switch back when acceptance or load changes.
+The ceiling is paid before the allocator sees a tree: the drafter's top-K and the host build
+both scale with it (`build_cost.py`). The gate predicts each candidate ceiling's rate from the
+recent acceptance curve (an EMA, per best-first position, of the calibrated acceptance
+probabilities of the latest drafted trees, averaged over their requests) as if every running
+request had that curve, with the drafter's call, that ceiling's build and the verify forward as
+the step's cost; ceiling 0 is a plain decode step (no drafter call, root-only trees). The best
+one wins. After `probe_interval` steps in a row below the cap, one step builds wider (twice
+the choice) so the curve past the chosen width stays current and the engine can widen again
+when acceptance or load changes; after plain steps the probe drafts at the best drafting
+ceiling (a probe at the cap could cost more than the plain steps before it saved).
 """
 
 from collections.abc import Sequence
@@ -13,10 +17,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from ddtree_serve.engine.budget.allocator import StepCost, TokenLayout, allocate, plain_decode_rate
+from ddtree_serve.engine.budget.build_cost import BuildCost
+from ddtree_serve.engine.budget.measure import powers_of_two_upto
 
 
 class DraftGate:
-    """Draft-or-not per step; `decide` is called once per step, `record_curve` after each draft."""
+    """The step's tree ceiling; `ceiling` is called once per step, `record_curve` after each draft."""
 
     def __init__(self, probe_interval: int = 16, curve_weight: float = 0.3) -> None:
         if probe_interval < 1 or not 0.0 < curve_weight <= 1.0:
@@ -24,19 +30,40 @@ class DraftGate:
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
         self.curve: np.ndarray | None = None  # [positions] recent calibrated acceptance
-        self.num_plain_steps = 0  # consecutive steps without a draft
+        self.num_narrow_steps = 0  # consecutive steps whose ceiling was below the cap
 
-    def decide(self, caps: Sequence[int], cost: StepCost, layout: TokenLayout) -> bool:
-        """True: draft this step. Counts plain steps toward the next probe."""
-        draft = self.curve is None or self.num_plain_steps >= self.probe_interval
-        if not draft:
-            batch_size = len(caps)
-            drafted = allocate(
-                [self.curve] * batch_size, caps, cost, draft_ms=cost.draft_ms(batch_size), layout=layout
-            )
-            draft = drafted.tokens_per_s > plain_decode_rate(batch_size, cost)
-        self.num_plain_steps = 0 if draft else self.num_plain_steps + 1
-        return draft
+    def ceiling(self, caps: Sequence[int], cost: StepCost, build: BuildCost, layout: TokenLayout) -> int:
+        """Draft nodes per tree this step may build (0: decode plainly); counts toward a probe."""
+        cap = max(caps)
+        if cap <= 0:
+            return 0
+        if self.curve is None:
+            best = drafted = cap
+        else:
+            drafted, drafted_rate = self._best_drafted_ceiling(caps, cost, build, layout)
+            best = drafted if drafted_rate > plain_decode_rate(len(caps), cost) else 0
+        chosen = best
+        if best < cap and self.num_narrow_steps >= self.probe_interval:
+            chosen = drafted if best == 0 else min(cap, 2 * best)
+        self.num_narrow_steps = 0 if chosen != best or chosen == cap else self.num_narrow_steps + 1
+        return chosen
+
+    def _best_drafted_ceiling(
+        self, caps: Sequence[int], cost: StepCost, build: BuildCost, layout: TokenLayout
+    ) -> tuple[int, float]:
+        """The drafting ceiling with the best predicted rate, and that rate."""
+        assert self.curve is not None
+        batch_size, cap = len(caps), max(caps)
+        curves = [self.curve] * batch_size
+        draft_ms = cost.draft_ms(batch_size)
+        best, best_rate = cap, 0.0
+        for candidate in powers_of_two_upto(cap):
+            capped = [min(c, candidate) for c in caps]
+            step_draft_ms = draft_ms + float(build.ms(batch_size, candidate))
+            rate = allocate(curves, capped, cost, draft_ms=step_draft_ms, layout=layout).tokens_per_s
+            if rate > best_rate:
+                best, best_rate = candidate, rate
+        return best, best_rate
 
     def record_curve(self, accept_probs: Sequence[np.ndarray]) -> None:
         """A drafted step's candidates: per request, calibrated probabilities in best-first order."""

@@ -6,6 +6,8 @@ engine's probe (`ModelCostProbe`) runs them through its `Target` and `Drafter` o
 slots. Each shape is run once to warm up, then `repeats` times; the fastest run is kept (other
 work on the machine only ever adds time), and each batch row is made non-decreasing in tokens
 (a least-squares monotone fit), so one slow outlier cannot make a larger tree look cheaper.
+`measure_build_cost` times the host build stage the same way (`BuildProbe`; the engine's probe
+builds from a real draft) and fits its linear `BuildCost`.
 """
 
 import time
@@ -15,17 +17,20 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.cost_curve import CostCurve
 from ddtree_serve.engine.budget.isotonic import isotonic_increasing
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
     Drafter,
     DraftInput,
+    DraftOutput,
     PrefillInput,
     SamplingBatch,
     Target,
     VerifyInput,
 )
+from ddtree_serve.engine.tree_builder import build_host_trees
 from ddtree_serve.tree import build_chain, build_verify_batch
 
 
@@ -36,6 +41,12 @@ class CostProbe(Protocol):
 
     def draft_ms(self, batch_size: int) -> float:
         """Milliseconds of one drafter call for `batch_size` requests."""
+        ...
+
+
+class BuildProbe(Protocol):
+    def build_ms(self, batch_size: int, ceiling: int) -> float:
+        """Milliseconds of the host build of `batch_size` trees of up to `ceiling` draft nodes."""
         ...
 
 
@@ -61,6 +72,20 @@ def measure_cost_curve(
     return CostCurve(batch_sizes, token_counts, grid, draft_ms=draft_ms)
 
 
+def measure_build_cost(
+    probe: BuildProbe, batch_sizes: Sequence[int], ceilings: Sequence[int], repeats: int = 3
+) -> BuildCost:
+    """`BuildCost` fitted over `batch_sizes` x `ceilings`; each shape warmed once, fastest kept."""
+    points = []
+    for batch_size in batch_sizes:
+        for ceiling in ceilings:
+            probe.build_ms(batch_size, ceiling)
+            points.append(
+                (batch_size, ceiling, min(probe.build_ms(batch_size, ceiling) for _ in range(repeats)))
+            )
+    return BuildCost.fit(points)
+
+
 class ModelCostProbe:
     """Times the engine's own `Target` and `Drafter` calls on scratch slots, before serving.
 
@@ -74,6 +99,16 @@ class ModelCostProbe:
         self.drafter = drafter
         self.top_k = top_k
         self.prompt = [t % target.vocab_size for t in range(1, prompt_tokens + 1)]
+        self._drafts: dict[int, DraftOutput] = {}  # batch size -> a real draft to build from
+
+    def build_ms(self, batch_size: int, ceiling: int) -> float:
+        """The engine's host build (heap trees, then the padded verify buffers) on a real draft."""
+        if batch_size not in self._drafts:
+            self._drafts[batch_size] = self._timed_draft(list(range(batch_size)))[0]
+        draft = self._drafts[batch_size]
+        started = time.perf_counter()
+        build_verify_batch(build_host_trees(draft.logp, draft.ids, [ceiling] * batch_size, [0] * batch_size))
+        return 1000.0 * (time.perf_counter() - started)
 
     def verify_ms(self, batch_size: int, tree_nodes: int) -> float:
         slots = list(range(batch_size))
@@ -89,15 +124,18 @@ class ModelCostProbe:
         return elapsed_ms
 
     def draft_ms(self, batch_size: int) -> float:
-        slots = list(range(batch_size))
+        return self._timed_draft(list(range(batch_size)))[1]
+
+    def _timed_draft(self, slots: list[int]) -> tuple[DraftOutput, float]:
+        """One drafter call over freshly prefilled `slots` (released after), and its milliseconds."""
         prefill = self._prefill(slots)
-        contexts = [(ContextSlice(prefill.context, i),) for i in range(batch_size)]
+        contexts = [(ContextSlice(prefill.context, i),) for i in range(len(slots))]
         inputs = DraftInput(slots, prefill.first_tokens, contexts, self.top_k)
         started = time.perf_counter()
-        self.drafter.draft(inputs)
+        draft = self.drafter.draft(inputs)
         elapsed_ms = 1000.0 * (time.perf_counter() - started)
         self._release(slots, drafter=True)
-        return elapsed_ms
+        return draft, elapsed_ms
 
     def _prefill(self, slots: list[int]):
         return self.target.prefill(PrefillInput(slots, [self.prompt] * len(slots), _greedy(len(slots)), None))

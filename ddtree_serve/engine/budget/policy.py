@@ -1,9 +1,11 @@
 """`AdaptiveBudget`: the engine's per-step budget choice, from calibration, cost and the gate.
 
 One step calls, in pipeline order (the policy holds the step's figures in between):
-    should_draft(caps)            before drafting; False = a plain decode step (root-only trees)
+    plan(caps)                    before drafting: the step's tree ceiling, 0 = a plain decode
+                                  step (root-only trees); the drafter's top-K and the build use it
     record_draft_ms(ms)           after the drafter call, when there was one
-    choose(trees, caps)           trees built at their ceiling -> draft nodes per request
+    choose(trees, caps)           trees built at the ceiling -> draft nodes per request
+    record_build_ms(ms)           after the build stage (trees, choice, verify buffers)
     record_verify_ms(ms)          after the verify call
     observe(trees, accepted)      the verified trees and their accepted nodes: calibration,
                                   cost refresh and the step's `BudgetStep` record
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddtree_serve.engine.budget.allocator import Allocation, TokenLayout, allocate
+from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
 from ddtree_serve.engine.budget.draft_gate import DraftGate
@@ -31,6 +34,7 @@ class BudgetStep:
     num_nodes: tuple[int, ...]  # draft nodes verified per request
     predicted_per_request: tuple[float, ...]  # calibrated expected accepted draft tokens (0: no draft)
     accepted_per_request: tuple[int, ...]  # draft tokens verification accepted
+    ceiling: int = 0  # draft nodes per tree the step built at most (0: a plain step)
 
     @property
     def predicted_accepted(self) -> float:
@@ -54,33 +58,44 @@ class AdaptiveBudget:
     def __init__(
         self,
         cost: CostCurve,
+        build: BuildCost | None = None,
         calibrator: AcceptanceCalibrator | None = None,
         gate: DraftGate | None = None,
         layout: TokenLayout = "padded",
     ) -> None:
+        """`build`: the host build's cost (default: free, so only the forwards are priced)."""
         self.cost = cost
+        self.build = build or BuildCost(0.0, 0.0, 0.0)
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.gate = gate or DraftGate()
         self.layout = layout  # the engine pads every tree of a batch to the widest
         self.last_step: BudgetStep | None = None
+        self._ceiling = 0
         self._draft_ms: float | None = None
+        self._build_ms: float | None = None
         self._verify_ms: float | None = None
         self._allocation: Allocation | None = None
 
-    def should_draft(self, caps: Sequence[int]) -> bool:
-        """Starts a step: draft (True) or decode plainly, from recent acceptance and the cost."""
-        self._draft_ms = self._verify_ms = self._allocation = None
-        return self.gate.decide(caps, self.cost, self.layout)
+    def plan(self, caps: Sequence[int]) -> int:
+        """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
+        self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
+        self._ceiling = self.gate.ceiling(caps, self.cost, self.build, self.layout)
+        return self._ceiling
 
     def record_draft_ms(self, draft_ms: float) -> None:
         self._draft_ms = draft_ms
+
+    def record_build_ms(self, build_ms: float) -> None:
+        self._build_ms = build_ms
 
     def record_verify_ms(self, verify_ms: float) -> None:
         self._verify_ms = verify_ms
 
     def choose(self, trees: Sequence[DraftTree], caps: Sequence[int]) -> Allocation:
         """Draft nodes per request for trees built at their ceiling (`caps[i]` at most)."""
-        accept_probs = [self.calibrator.calibrate(np.exp(tree.logws[1:])) for tree in trees]
+        raw = [np.exp(tree.logws[1:]) for tree in trees]
+        calibrated = self.calibrator.calibrate(np.concatenate(raw))  # one call for the batch
+        accept_probs = np.split(calibrated, np.cumsum([len(r) for r in raw])[:-1])
         self.gate.record_curve(accept_probs)
         draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
         self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
@@ -98,6 +113,8 @@ class AdaptiveBudget:
             self.cost.observe_verify(batch_size, target_tokens, self._verify_ms)
         if self._draft_ms is not None:
             self.cost.observe_draft(batch_size, self._draft_ms)
+        if self._build_ms is not None and drafted:
+            self.build.observe(batch_size, self._ceiling, self._build_ms)
         if drafted:
             probs, hits = [], []
             for tree, nodes in zip(trees, accepted_nodes, strict=True):
@@ -113,8 +130,9 @@ class AdaptiveBudget:
                 self._allocation.expected_accepted if self._allocation is not None else (0.0,) * batch_size
             ),
             accepted_per_request=tuple(len(nodes) for nodes in accepted_nodes),
+            ceiling=self._ceiling if drafted else 0,
         )
-        self._draft_ms = self._verify_ms = self._allocation = None
+        self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         return self.last_step
 
 
