@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.budget import BudgetStep
+from ddtree_serve.engine.budget import BudgetStep, BuildCost
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
@@ -90,6 +90,23 @@ def test_greedy_adaptive_equals_plain_decoding_real_drafter(
     outputs, _ = run_recording_steps(engine)
     for i, prompt in enumerate(prompt_ids):
         assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
+
+
+def test_a_costly_host_build_narrows_the_ceiling_and_stays_lossless(
+    make_pair_config, greedy_references, prompt_ids, cost_files
+):
+    """Free forward nodes but a build that costs per node: narrow ceilings, the same output."""
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["free_nodes"]}))
+    engine.budget_policy.build = BuildCost(0.0, 0.0, per_node_ms=1.0, ema_weight=0.0)  # no live rescale
+    for i, prompt in enumerate(prompt_ids):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
+    outputs, steps = run_recording_steps(engine)
+    for i, prompt in enumerate(prompt_ids):
+        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
+    ceilings = [s.ceiling for s in steps if s.drafted]
+    assert ceilings and min(ceilings) < 16  # the build's price cut the trees below the cap
+    assert all(max(s.num_nodes) <= s.ceiling for s in steps if s.drafted)  # built at most the ceiling
 
 
 def test_context_from_plain_steps_reaches_the_drafter(make_pair_config, prompt_ids, cost_files):
