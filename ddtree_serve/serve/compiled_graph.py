@@ -19,7 +19,9 @@ Faults: a dead drafter breaks the graph. It is torn down (the actors live on), t
 call of the broken execution is replayed from the target's last result (or run, if it never
 ran), and target calls go as plain actor calls while `GraphDrafter.is_available` waits for Ray
 to restart the drafter; then the graph is compiled again and the engine rebuilds the
-drafter's context (`SpecEngine._restore_drafter`). A dead target is `TargetUnavailableError`.
+drafter's context (`SpecEngine._restore_drafter`). A dead (or restarted) target is
+`TargetUnavailableError`; the Coordinator's new engine after a target restart compiles a new
+graph (`discard` drops the old one).
 """
 
 import dataclasses
@@ -39,13 +41,12 @@ from ddtree_serve.engine.interfaces import (
     Pending,
     PrefillInput,
     PrefillOutput,
-    TargetUnavailableError,
     VerifyInput,
     VerifyOutput,
 )
 from ddtree_serve.serve.graph_calls import DrafterCall, GraphContext, TargetCall, TargetMethod
 from ddtree_serve.serve.wire import from_wire, to_wire
-from ddtree_serve.serve.workers import RayDrafter, RayTarget
+from ddtree_serve.serve.workers import RayDrafter, RayTarget, TargetRestartedError, target_lost
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,15 @@ class StepGraph:
         self._compile()
         logger.warning("compiled step graph rebuilt over the restarted drafter")
 
+    def discard(self) -> None:
+        """Tear the graph down without running what is queued: its target restarted, and the
+        engine that queued it is gone."""
+        self._target_releases.clear()
+        self._drafter_releases.clear()
+        if self._graph is not None:
+            _teardown(self._graph)
+            self._graph = None
+
     def close(self) -> None:
         """Run the releases still queued, then tear the graph down; the actors live on.
 
@@ -185,14 +195,13 @@ class StepGraph:
             taken_ref.get(timeout=_GET_TIMEOUT_S)
         except _LOST as error:
             self._break(execution, error)
+        except TargetRestartedError as error:  # compiled over a target that restarted since
+            execution.target_error = target_lost(error)
 
     def _break(self, execution: _Execution, error: Exception) -> None:
         """An actor of the graph is gone: tear it down, tell which one, save the target's call."""
         logger.warning("compiled step graph broke (%s); tearing it down", type(error).__name__)
-        try:
-            self._graph.teardown()
-        except Exception:  # a graph over a dead actor may fail its own teardown: it is gone anyway
-            logger.exception("teardown of the broken step graph failed")
+        _teardown(self._graph)
         self._graph = None
         self._drafter_releases.clear()
         execution.draft_result = None
@@ -213,10 +222,8 @@ class StepGraph:
         ref = (actor.replay_graph_call if replay else actor.graph_call).remote(execution.target)
         try:
             execution.target_result = from_wire(ray.get(ref if replay else ref[0]))
-        except RayActorError as error:
-            execution.target_error = TargetUnavailableError(
-                f"the target worker died ({type(error).__name__})"
-            )
+        except (RayActorError, TargetRestartedError) as error:
+            execution.target_error = target_lost(error)
 
 
 class GraphTarget:
@@ -272,6 +279,10 @@ class GraphTarget:
         """Tear down the step graph (after its queued releases); see `StepGraph.close`."""
         self._graph.close()
 
+    def discard(self) -> None:
+        """Tear down the step graph, dropping what is queued; see `StepGraph.discard`."""
+        self._graph.discard()
+
 
 class GraphDrafter:
     """`Drafter` (and `PipelinedDrafter`) over the step graph; its features came through it."""
@@ -305,6 +316,13 @@ class GraphDrafter:
 
     def release(self, slot: int) -> None:
         self._graph.release_drafter(slot)
+
+
+def _teardown(graph: Any) -> None:
+    try:
+        graph.teardown()
+    except Exception:  # a graph over a dead actor may fail its own teardown: it is gone anyway
+        logger.exception("teardown of the step graph failed")
 
 
 def graph_workers(target: RayTarget, drafter: RayDrafter) -> tuple[GraphTarget, GraphDrafter]:

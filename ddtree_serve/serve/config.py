@@ -17,6 +17,13 @@ PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
 _SERVE_METRICS_INTERVAL_S = 10.0  # Ray Serve's default metrics_interval_s (2.60)
 
+RAY_SYSTEM_CONFIG: dict[str, Any] = {"timeout_ms_task_wait_for_death_info": 0}
+"""Ray system settings that the group's fault handling counts on, for a cluster this process
+starts (`ray.init(_system_config=...)`; on a cluster started elsewhere set
+`RAY_timeout_ms_task_wait_for_death_info=0` on its nodes, as KubeRay does for a RayService):
+a call to an actor that died, and that Ray is restarting, fails at once instead of after a 1 s
+grace for news of the death (2 s measured here), so the engine sees a lost worker at once."""
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -89,6 +96,22 @@ class PlacementConfig(_Strict):
         "while the target verifies the other (a step costs about max(draft, verify) when the "
         "actors have their own devices). Same tokens as without; needs workers 'actors', a "
         "drafter and the fixed budget policy.",
+    )
+    target_max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="How often Ray restarts a lost target actor in its bundle (one target actor: "
+        "tensor_parallel_size 1, workers 'actors') while the Coordinator waits for it and then "
+        "serves again over a new engine, the same replica; the requests in flight at the loss "
+        "end retriable (503 / UNAVAILABLE). A loss past this count, or a restart that does not "
+        "answer within target_restart_timeout_s, fails the replica's health check and Serve "
+        "replaces the whole group. 0: every target loss replaces the group.",
+    )
+    target_restart_timeout_s: float = Field(
+        default=120.0,
+        gt=0.0,
+        description="Longest wait for a restarted target actor (process start and model load) "
+        "before Serve replaces the group instead; set it above the target's load time.",
     )
     strategy: PlacementStrategy = Field(
         default="STRICT_PACK",

@@ -7,22 +7,25 @@ constructs it through `__init__`, which starts the group's workers (`group.py`),
 observer's telemetry (`telemetry.py`) and the engine; tests hand `sync_init` an engine they built.
 
 Faults: a lost drafter is the engine's business (it decodes plainly until Ray restarted the
-drafter). A lost target ends the group: requests in flight and new ones get UNAVAILABLE
-(503 + Retry-After), health fails at once (the health endpoints and Serve's check ask
-`check_health`), and Serve replaces the replica with its whole placement group.
+drafter). A lost target ends the engine: requests in flight and new ones get UNAVAILABLE
+(503 + Retry-After) and the health endpoints (`stats`) fail at once. Ray restarts a lone
+target actor in its bundle; the `EngineSupervisor` (`supervisor.py`) waits for it and starts a
+new engine over the same actors, while Serve's own check (`check_health`) passes, so the same
+replica serves again. A target that stays dead (past its restarts, or not back within the
+bound), or a tensor-parallel group, fails `check_health` and Serve replaces the whole group.
 """
 
 import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
 from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
 from ddtree_serve.engine.builder import target_dir
-from ddtree_serve.engine.interfaces import TargetUnavailableError
+from ddtree_serve.engine.interfaces import Drafter, Target, TargetUnavailableError
 from ddtree_serve.engine.request import RequestStats
 from ddtree_serve.engine.scheduler import QueueFullError
 from ddtree_serve.models import load_tokenizer
@@ -31,10 +34,16 @@ from ddtree_serve.serve.chat import target_has_vision_tower
 from ddtree_serve.serve.compiled_graph import GraphDrafter, GraphTarget
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError, invalid
-from ddtree_serve.serve.group import placement_bundles, start_workers
+from ddtree_serve.serve.group import (
+    placement_bundles,
+    reconnect_workers,
+    restarts_target_in_place,
+    start_workers,
+)
 from ddtree_serve.serve.load import GroupLoad
 from ddtree_serve.serve.observed_engine import ObservedEngine, StepRecord
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest, Usage
+from ddtree_serve.serve.supervisor import EngineSupervisor
 from ddtree_serve.serve.target_group import RayTargetGroup
 from ddtree_serve.serve.telemetry import GroupTelemetry
 from ddtree_serve.serve.workers import DrafterFactory, RayDrafter, RayTarget, TargetFactory
@@ -101,23 +110,10 @@ class Coordinator:
             config.observability, drafter.block_size if drafter else 1, config.engine.budget
         )
         load = GroupLoad(config.engine.max_num_seqs)
-
-        def observe(record: StepRecord) -> None:
-            telemetry.on_step(record)
-            load.on_step(record)
-
-        tokenizer = load_tokenizer(target_dir(config.engine))
-        engine = ObservedEngine(
-            config.engine.to_settings(),
-            target,
-            drafter,
-            tokenizer,
-            observer=observe,
-            overlap=config.placement.overlap,
-        )
-        llm = AsyncLLM(engine)
-        telemetry.start_load_gauges(llm)
-        self._init_shared(config, llm, telemetry, load)
+        self._tokenizer = load_tokenizer(target_dir(config.engine))
+        llm = self._start_engine(config, target, drafter, telemetry, load)
+        restart = self._restart_engine if restarts_target_in_place(config) else None
+        self._init_shared(config, llm, telemetry, load, restart)
         self._actors = {
             role: worker.actor
             for role, worker in (("target", target), ("drafter", drafter))
@@ -125,6 +121,41 @@ class Coordinator:
         }
         # What a replacement after a fault costs, besides Serve's detection and process start.
         logger.info("speculation group up: workers and engine started in %.1f s", time.monotonic() - start_s)
+
+    def _start_engine(
+        self,
+        config: ServeConfig,
+        target: Target,
+        drafter: Drafter | None,
+        telemetry: GroupTelemetry,
+        load: GroupLoad,
+    ) -> AsyncLLM:
+        """The engine thread over the group's workers, observed by its telemetry and load."""
+
+        def observe(record: StepRecord) -> None:
+            telemetry.on_step(record)
+            load.on_step(record)
+
+        engine = ObservedEngine(
+            config.engine.to_settings(),
+            target,
+            drafter,
+            self._tokenizer,
+            observer=observe,
+            overlap=config.placement.overlap,
+        )
+        llm = AsyncLLM(engine)
+        telemetry.start_load_gauges(llm)
+        return llm
+
+    def _restart_engine(self, lost: AsyncLLM) -> AsyncLLM:
+        """The supervisor's restart (blocking, on a worker thread): stop the engine that lost its
+        target, wait for Ray's restart of the target actor, start a new engine over the actors."""
+        lost.shutdown()
+        if isinstance(lost.engine.target, GraphTarget):
+            lost.engine.target.discard()  # a new graph is compiled over the restarted target
+        target, drafter = reconnect_workers(self._config, self._actors["target"], self._actors.get("drafter"))
+        return self._start_engine(self._config, target, drafter, self._telemetry, self._load)
 
     @classmethod
     def sync_init(
@@ -136,14 +167,19 @@ class Coordinator:
         """
         coordinator = cls.__new__(cls)
         load = GroupLoad(config.engine.max_num_seqs)  # not fed by steps: tokens per step read 0
-        coordinator._init_shared(config, llm, telemetry or GroupTelemetry.disabled(), load)
+        coordinator._init_shared(config, llm, telemetry or GroupTelemetry.disabled(), load, restart=None)
         return coordinator
 
     def _init_shared(
-        self, config: ServeConfig, llm: AsyncLLM, telemetry: GroupTelemetry, load: GroupLoad
+        self,
+        config: ServeConfig,
+        llm: AsyncLLM,
+        telemetry: GroupTelemetry,
+        load: GroupLoad,
+        restart: Callable[[AsyncLLM], AsyncLLM] | None,
     ) -> None:
         self._config = config
-        self._llm = llm
+        self._supervisor = EngineSupervisor(llm, restart, config.placement.target_restart_timeout_s)
         self._telemetry = telemetry
         self._load = load
         engine_limit = llm.engine.max_prompt_tokens  # the engine knows its tree: one source of truth
@@ -156,8 +192,9 @@ class Coordinator:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Streams one chunk per engine step that committed tokens; the last has usage."""
+        llm = self._supervisor.llm
         prompt = request.prompt
-        prompt_ids = self._llm.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+        prompt_ids = llm.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         if len(prompt_ids) > self._max_prompt_tokens:
             self._telemetry.record_rejection("prompt_too_long")
             raise invalid(
@@ -165,16 +202,18 @@ class Coordinator:
                 "prompt",
             )
         # Positions a request may fill: the slot less the rows one padded tree takes past it.
-        request.check_context_length(
-            len(prompt_ids), self._llm.engine.max_seq_len - self._llm.engine.max_tree_tokens + 1
-        )
+        request.check_context_length(len(prompt_ids), llm.engine.max_seq_len - llm.engine.max_tree_tokens + 1)
+        try:
+            self._supervisor.check_serving()
+        except TargetUnavailableError as error:
+            raise _unavailable(error) from error
         engine_id = f"{request.request_id}#{next(self._ids)}"
         with self._telemetry.request_span(
             request.request_id, engine_id, request.trace_carrier, len(prompt_ids)
         ) as span:
             try:
                 outputs = self._load.watch(
-                    engine_id, self._llm.generate_stream(prompt_ids, request.sampling, engine_id)
+                    engine_id, llm.generate_stream(prompt_ids, request.sampling, engine_id)
                 )
                 async with aclosing(outputs):  # leaving early aborts the engine request now
                     async for output in outputs:
@@ -190,7 +229,9 @@ class Coordinator:
                             usage,
                         )
             except _ENGINE_ERRORS as error:
-                request_error, rejection_reason = _request_error(error)
+                if isinstance(error, EngineDeadError) and isinstance(error.cause, TargetUnavailableError):
+                    self._supervisor.target_lost(llm, error.cause)
+                request_error, rejection_reason = _request_error(error, self._supervisor.is_retired(llm))
                 if rejection_reason is not None:
                     self._telemetry.record_rejection(rejection_reason)
                 raise request_error from error
@@ -203,29 +244,35 @@ class Coordinator:
     # ------------------------------------------------------------------------------ inspection
 
     async def stats(self) -> dict[str, int]:
-        """Load figures; raises once the group is down (`check_health`), so health probes (HTTP
-        /health, gRPC Check) report it at once, before Serve's own check replaces the replica.
+        """Load figures; raises while the group cannot serve (its target restarting or lost, or
+        `check_health` failing), so health probes (HTTP /health, gRPC Check) report it at once.
 
-        `speculating` is 0 while the group decodes without its drafter (lost, or mode "ar")."""
+        `speculating` is 0 while the group decodes without its drafter (lost, or mode "ar");
+        `target_restarts` counts the target losses this replica came back from in place."""
+        self._supervisor.check_serving()
         await self.check_health()
-        engine = self._llm.engine
+        self._supervisor.check_serving()  # a loss the target probe just found
+        llm = self._supervisor.llm
+        engine = llm.engine
         return {
             "running": engine.num_running,
             "waiting": engine.num_waiting,
-            "open_streams": self._llm.num_active_requests,
+            "open_streams": llm.num_active_requests,
             "cancelled": self._num_cancelled,
             "max_num_seqs": self._config.engine.max_num_seqs,
             "speculating": int(engine.speculating),
             "drafter_losses": engine.num_drafter_losses,
+            "target_restarts": self._supervisor.num_target_restarts,
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: this group's load, read by the speculation
         policy (`serve/autoscaling.py`) after Serve averages it over its look-back window."""
-        return self._load.stats(self._llm.engine.num_running, self._llm.engine.num_waiting)
+        engine = self._supervisor.llm.engine
+        return self._load.stats(engine.num_running, engine.num_waiting)
 
     async def model_info(self) -> dict[str, Any]:
-        engine = self._llm.engine
+        engine = self._supervisor.llm.engine
         return {
             "draft_mode": self._config.engine.mode,
             "block_size": engine.block_size,
@@ -236,16 +283,28 @@ class Coordinator:
         }
 
     async def check_health(self) -> None:
-        """Serve's replica health check: a stopped engine or a lost target restarts the replica.
+        """Serve's replica health check: failing it makes Serve replace the replica.
 
-        The target is asked too, so a target that died while the group was idle fails health
-        now, not at the next request. A lost drafter does not fail it: the group still serves.
+        It passes while the supervisor restarts a lost target in place, and fails once that
+        restart failed or overran its bound, or the engine stopped for another reason. The target
+        is asked too, so a target that died while the group was idle is found now, not at the
+        next request. A lost drafter does not fail it: the group still serves.
         """
-        if not self._llm.is_running:
-            raise RuntimeError("the engine thread stopped")
-        target = self._llm.engine.target
+        supervisor = self._supervisor
+        supervisor.check_restart()
+        if supervisor.restarting:
+            return
+        llm = supervisor.llm
+        target = llm.engine.target
         if isinstance(target, RayTarget | RayTargetGroup | GraphTarget):
-            await target.check_alive()
+            try:
+                await target.check_alive()
+            except TargetUnavailableError as error:
+                supervisor.target_lost(llm, error)
+                supervisor.check_restart()  # raises when the group cannot restart it in place
+                return
+        if not llm.is_running:
+            raise RuntimeError("the engine thread stopped")
 
     async def worker_actors(self) -> dict[str, Any]:
         """The group's worker actor handles by role ("target", "drafter"; none in process), for
@@ -253,17 +312,24 @@ class Coordinator:
         return dict(self._actors)
 
 
-def _request_error(error: Exception) -> tuple[RequestError, str | None]:
+def _request_error(error: Exception, retired: bool) -> tuple[RequestError, str | None]:
     """What the caller gets for an engine error, and the rejection reason to count (None: the
-    request was not refused, the engine failed)."""
+    request was not refused, the engine failed). `retired`: the engine was given up for a
+    target loss (its shutdown is a retriable end too)."""
     if isinstance(error, QueueFullError):
         return RequestError(ErrorKind.OVERLOADED, str(error)), "queue_full"
     if isinstance(error, EngineDeadError) and isinstance(error.cause, TargetUnavailableError):
-        message = f"{error.cause}: this server is restarting its models; retry in a few seconds"
-        return RequestError(ErrorKind.UNAVAILABLE, message), None
+        return _unavailable(error.cause), None
+    if isinstance(error, EngineDeadError) and retired:
+        return _unavailable(TargetUnavailableError("the target worker is restarting")), None
     if isinstance(error, EngineDeadError):
         return RequestError(ErrorKind.INTERNAL, f"the engine stopped: {error}"), None
     return invalid(str(error), "prompt"), "invalid"
+
+
+def _unavailable(error: TargetUnavailableError) -> RequestError:
+    message = f"{error}: this server is restarting its models; retry in a few seconds"
+    return RequestError(ErrorKind.UNAVAILABLE, message)
 
 
 def _usage(stats: RequestStats) -> Usage:

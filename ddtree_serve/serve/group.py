@@ -8,8 +8,11 @@ in-process models inside the replica (placement.workers = "in_process");
 `placement.transport` picks how the Coordinator reaches the actors (`compiled_graph.py`).
 
 When a worker dies: Ray restarts the drafter in its bundle (the engine decodes plainly until it
-is back, then rebuilds its context); the target is never restarted alone, because its KV
-caches die with it: the Coordinator fails health at once and Serve replaces the whole group.
+is back, then rebuilds its context). Ray restarts a lone target actor too
+(`placement.target_max_restarts`), but its KV caches died with it: the requests in flight end,
+and the Coordinator builds a new engine over the same actors (`reconnect_workers`). A
+tensor-parallel group is never restarted in place (its ranks would have to join a new
+torch.distributed group): a lost rank fails health and Serve replaces the whole group.
 """
 
 from typing import Any
@@ -102,7 +105,9 @@ def _start_actors(
     if placement.tensor_parallel_size > 1:
         drafter = RayDrafter(drafter_actor) if drafter_actor is not None else None
         return start_target_group(config, placement_group, target_bundle), drafter
-    target_actor = TargetWorker.options(**options(placement.target, target_bundle)).remote(target_factory)
+    target_actor = TargetWorker.options(
+        **options(placement.target, target_bundle), max_restarts=placement.target_max_restarts
+    ).remote(target_factory)
     # Both workers start (process, imports, model load) at once; each adapter waits for its own,
     # so a group comes up, or is replaced after a fault, in the time of the slower one.
     target = RayTarget(target_actor)
@@ -110,5 +115,36 @@ def _start_actors(
         return target, None
     drafter = RayDrafter(drafter_actor)
     if placement.transport == "compiled_graph":
+        return graph_workers(target, drafter)
+    return target, drafter
+
+
+def restarts_target_in_place(config: ServeConfig) -> bool:
+    """Whether Ray restarts this group's target actor after a loss (else Serve replaces the group)."""
+    placement = config.placement
+    return (
+        placement.workers == "actors"
+        and placement.tensor_parallel_size == 1
+        and placement.target_max_restarts > 0
+    )
+
+
+def reconnect_workers(
+    config: ServeConfig, target_actor: Any, drafter_actor: Any | None
+) -> tuple[Target, Drafter | None]:
+    """The seam over the group's actors again, for a new engine after Ray restarted the target.
+
+    Blocks until the restarted target answers (`RayActorError` if it is dead for good). Neither
+    worker may keep a request of the old engine: the target comes back empty and takes step
+    calls only from now on (`RayTarget.start_serving`), and the drafter releases every slot.
+    Under the compiled-graph transport a new graph is compiled over both actors.
+    """
+    target = RayTarget(target_actor)
+    target.start_serving()
+    if drafter_actor is None:
+        return target, None
+    drafter = RayDrafter(drafter_actor)
+    drafter.release_all(config.engine.max_num_seqs)
+    if config.placement.transport == "compiled_graph":
         return graph_workers(target, drafter)
     return target, drafter

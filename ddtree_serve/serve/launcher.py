@@ -22,7 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 from ddtree_serve.cli import one_line_error
-from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG, ServeConfig
 
 DASHBOARD_PORT = 8265  # Ray's own default
 AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
@@ -204,6 +204,7 @@ def ray_init_options(args: argparse.Namespace) -> dict[str, Any]:
         "dashboard_host": "127.0.0.1",
         "dashboard_port": args.dashboard_port,
         "_metrics_export_port": args.metrics_export_port,
+        "_system_config": RAY_SYSTEM_CONFIG,
     }
     return {key: value for key, value in options.items() if value is not None}
 

@@ -19,15 +19,21 @@ Tensors cross every actor boundary as numpy arrays (`wire.py`: several times che
 Faults: a dead or restarting worker makes Ray raise `RayActorError`; the adapters turn it into
 the seam's `DrafterUnavailableError` / `TargetUnavailableError`, so the engine's fallback and
 the Coordinator's error mapping know nothing of Ray. `RayDrafter.is_available` probes a drafter
-that Ray restarts (`max_restarts`, set by the group) without blocking the engine thread.
+that Ray restarts (`max_restarts`, set by the group) without blocking the engine thread. A
+target that Ray restarted holds no KV cache, so it refuses every step call
+(`TargetRestartedError`, also a lost target to the engine) until `RayTarget.start_serving` says
+that the engine calling it is a new one that knows it is empty: a call the old engine sent
+cannot run on the new process's empty slots.
 """
 
+import contextlib
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from ddtree_serve.engine.interfaces import (
     ContextHandle,
@@ -56,6 +62,18 @@ ResultT = TypeVar("ResultT")
 Wired = Any
 """A value as `to_wire` left it (its tensors are `WireTensor`s): what an actor method receives."""
 
+# How often a caller asks again for a worker that Ray is restarting (it fails the calls sent
+# while the old process died with `ActorUnavailableError`).
+_RESTART_POLL_S = 0.05
+
+
+_RESTARTED = "the target worker restarted: its KV caches are gone"
+
+
+class TargetRestartedError(TargetUnavailableError):
+    """A target that Ray restarted was called before `start_serving`: the caller's engine
+    expects KV caches that died with the old process."""
+
 
 @ray.remote
 class TargetWorker:
@@ -63,6 +81,8 @@ class TargetWorker:
 
     def __init__(self, build_target: TargetFactory) -> None:
         self._target = build_target()
+        # A restarted process serves no step until its Coordinator has a new engine over it.
+        self._serving = not ray.get_runtime_context().was_current_actor_reconstructed
         # Compiled step graph only: (call id, wired output) of the last graph call.
         self._last_graph_call: tuple[int | None, Wired] = (None, None)
 
@@ -71,26 +91,39 @@ class TargetWorker:
             "vocab_size": self._target.vocab_size,
             "eos_token_ids": tuple(self._target.eos_token_ids),
             "max_seq_len": self._target.max_seq_len,
+            "serving": self._serving,
         }
+
+    def start_serving(self) -> None:
+        """Accept step calls again after a restart (its caller knows every slot is empty)."""
+        self._serving = True
 
     @ray.method(num_returns=2)
     def prefill(self, inputs: Wired) -> tuple[Wired, Wired]:
         """`inputs`: a wired `PrefillInput` -> (wired `PrefillOutput` without context, wired context)."""
+        self._check_serving()
         output = self._target.prefill(from_wire(inputs))
         return to_wire(dataclasses.replace(output, context=None)), to_wire(output.context)
 
     @ray.method(num_returns=2)
     def verify_and_commit(self, inputs: Wired) -> tuple[Wired, Wired]:
         """`inputs`: a wired `VerifyInput` -> (wired `VerifyOutput` without context, wired context)."""
+        self._check_serving()
         output = self._target.verify_and_commit(from_wire(inputs))
         return to_wire(dataclasses.replace(output, context=None)), to_wire(output.context)
 
     def encode_context(self, inputs: Wired) -> Wired:
         """`inputs`: a wired `EncodeInput` -> the wired context (what a drafter's `draft` resolves)."""
+        self._check_serving()
         return to_wire(self._target.encode_context(from_wire(inputs)))
 
     def release(self, slot: int) -> None:
-        self._target.release(slot)
+        if self._serving:  # a restarted process holds nothing to release
+            self._target.release(slot)
+
+    def _check_serving(self) -> None:
+        if not self._serving:
+            raise TargetRestartedError(_RESTARTED)
 
     # -------------------------------------------------------------- compiled step graph side
 
@@ -100,6 +133,7 @@ class TargetWorker:
         the drafter). The last result is kept for `replay_graph_call`."""
         if call is None:
             return None, None
+        self._check_serving()
         for slot in call.releases:
             self._target.release(slot)
         result: tuple[Wired, ContextDelivery | None] = (None, None)
@@ -191,8 +225,10 @@ class RayTarget:
     """`Target` over a `TargetWorker` handle; blocks the engine thread on each step's result."""
 
     def __init__(self, actor: Any) -> None:
+        """Waits for the worker, through a restart Ray is running; `RayActorError` once it is
+        dead for good."""
         self._actor = actor
-        info = ray.get(actor.describe.remote())
+        info = _describe_restarted(actor)
         self._vocab_size: int = info["vocab_size"]
         self._eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
         self._max_seq_len: int = info["max_seq_len"]
@@ -213,9 +249,14 @@ class RayTarget:
     def actor(self) -> Any:
         return self._actor
 
+    def start_serving(self) -> None:
+        """Let a restarted worker take step calls: from now on they come from an engine that
+        knows its slots are empty (the Coordinator's new one)."""
+        ray.get(self._actor.start_serving.remote())
+
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         output_ref, context_ref = self._actor.prefill.remote(to_wire(inputs))
-        output: PrefillOutput = _PendingCall(output_ref, _target_lost).result()
+        output: PrefillOutput = _PendingCall(output_ref, target_lost).result()
         return dataclasses.replace(output, context=context_ref)
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
@@ -226,7 +267,7 @@ class RayTarget:
         output_ref, context_ref = self._actor.verify_and_commit.remote(to_wire(inputs))
         context = context_ref if inputs.return_context else None
         return _PendingCall(
-            output_ref, _target_lost, lambda output: dataclasses.replace(output, context=context)
+            output_ref, target_lost, lambda output: dataclasses.replace(output, context=context)
         )
 
     def encode_context(self, inputs: EncodeInput) -> ContextHandle:
@@ -235,12 +276,15 @@ class RayTarget:
         return self._actor.encode_context.remote(to_wire(inputs))
 
     async def check_alive(self) -> None:
-        """Raises `TargetUnavailableError` when the worker is gone (health checks; waits its turn
-        behind the step in progress)."""
+        """Raises `TargetUnavailableError` when the worker is gone, or restarted and waiting for
+        a new engine (health checks; waits its turn behind the step in progress, and for a
+        restart Ray is running)."""
         try:
-            await self._actor.describe.remote()
+            info = await self._actor.describe.remote()
         except RayActorError as error:
-            raise _target_lost(error) from error
+            raise target_lost(error) from error
+        if not info["serving"]:
+            raise TargetUnavailableError(_RESTARTED)
 
     def release(self, slot: int) -> None:
         # Fire and forget: calls from one caller run in submission order on the actor, so a
@@ -253,7 +297,7 @@ class RayDrafter:
 
     def __init__(self, actor: Any) -> None:
         self._actor = actor
-        self._block_size: int = ray.get(actor.describe.remote())["block_size"]
+        self._block_size: int = _describe_restarted(actor)["block_size"]
         self._probe: Any = None  # after a loss: the pending `describe` call that says it is back
 
     @property
@@ -296,6 +340,13 @@ class RayDrafter:
     def release(self, slot: int) -> None:
         self._actor.release.remote(slot)
 
+    def release_all(self, num_slots: int) -> None:
+        """Release slots `0 .. num_slots - 1` and wait: a new engine starts with a drafter that
+        holds no context."""
+        # A drafter that died meanwhile holds nothing either; the engine finds it lost at its draft.
+        with contextlib.suppress(RayActorError):
+            ray.get([self._actor.release.remote(slot) for slot in range(num_slots)])
+
 
 class _PendingCall(Generic[ResultT]):
     """One actor call in flight: `result()` waits for it, unwires it and maps a lost actor."""
@@ -303,7 +354,7 @@ class _PendingCall(Generic[ResultT]):
     def __init__(
         self,
         ref: Any,
-        lost: Callable[[RayActorError], Exception],
+        lost: Callable[[Exception], Exception],
         finish: Callable[[Any], Any] = lambda output: output,
     ) -> None:
         self._ref = ref
@@ -313,19 +364,32 @@ class _PendingCall(Generic[ResultT]):
     def result(self) -> ResultT:
         try:
             wired = ray.get(self._ref)
-        except RayActorError as error:
+        except (RayActorError, TargetRestartedError) as error:
             raise self._lost(error) from error
         return self._finish(from_wire(wired))
+
+
+def _describe_restarted(actor: Any) -> dict[str, Any]:
+    """The worker's `describe`, asked again while Ray restarts it (the calls sent meanwhile fail
+    with `ActorUnavailableError`); `ActorDiedError` once it is dead for good."""
+    while True:
+        try:
+            return ray.get(actor.describe.remote())
+        except ActorUnavailableError:
+            time.sleep(_RESTART_POLL_S)
 
 
 def _delivery(slots: Any, context: ContextHandle) -> ContextDelivery:
     return ContextDelivery(tuple(slots), to_wire(list(context)))
 
 
-def _drafter_lost(error: RayActorError) -> DrafterUnavailableError:
+def _drafter_lost(error: Exception) -> DrafterUnavailableError:
     return DrafterUnavailableError(f"the drafter worker is lost ({type(error).__name__})")
 
 
-def _target_lost(error: RayActorError) -> TargetUnavailableError:
+def target_lost(error: Exception) -> TargetUnavailableError:
+    """The seam's error for a target call that failed because its worker died or restarted."""
     # Ray's own text runs to many lines; the chained cause keeps it for the logs.
+    if isinstance(error, TargetRestartedError):
+        return TargetUnavailableError(_RESTARTED)
     return TargetUnavailableError(f"the target worker died ({type(error).__name__})")

@@ -60,7 +60,7 @@ def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterat
     from ray import serve
 
     from ddtree_serve.serve.app import build_app, serve_start_options
-    from ddtree_serve.serve.config import ServeConfig
+    from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG, ServeConfig
 
     config = ServeConfig.model_validate(raw_config)
     metrics_port = free_port()
@@ -71,7 +71,7 @@ def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterat
         include_dashboard=False,
         _temp_dir=str(temp_dir),
         _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
+        _system_config={"metrics_report_interval_ms": 1000, **RAY_SYSTEM_CONFIG},
     )
     try:
         serve.start(**serve_start_options(config))

@@ -2,8 +2,9 @@
 clean, short outage.
 
 One cluster for the module (fake GPUs: the drafter and the target each hold one), serving the
-bundled trained pair so that speculation visibly accepts more than one token per step. The
-drafter test runs first: the target test ends with Serve replacing the whole group.
+bundled trained pair so that speculation visibly accepts more than one token per step. A lost
+target is restarted by Ray in its bundle and the same group serves again over a new engine;
+the last test kills the target for good, so Serve replaces the whole group.
 The figures each test prints (requests lost, seconds to recovery) are this machine's; the
 tests assert behaviour, never times.
 """
@@ -64,11 +65,16 @@ def reference(cluster: ServeCluster) -> LLM:
     return LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
 
 
-def worker_actor(cluster: ServeCluster, role: str) -> Any:
+def group_identity(cluster: ServeCluster) -> dict[str, Any]:
+    """The group's worker actor handles by role: equal handles (same actor ids) = same group."""
     from ray import serve
 
     coordinator = serve.get_deployment_handle("Coordinator", app_name=cluster.config.app_name)
-    return coordinator.worker_actors.remote().result()[role]
+    return coordinator.worker_actors.remote().result()
+
+
+def worker_actor(cluster: ServeCluster, role: str) -> Any:
+    return group_identity(cluster)[role]
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -223,6 +229,8 @@ def test_killing_the_target_is_a_clean_short_outage(cluster: ServeCluster, refer
     import ray
 
     target = worker_actor(cluster, "target")
+    group = group_identity(cluster)
+    restarts_before = httpx.get(f"{cluster.http_url}/health", timeout=10).json()["target_restarts"]
     url = cluster.http_url
 
     async def whole(client: httpx.AsyncClient) -> httpx.Response:
@@ -267,11 +275,14 @@ def test_killing_the_target_is_a_clean_short_outage(cluster: ServeCluster, refer
                 except httpx.HTTPError:
                     return False
 
-            await wait_until(healthy, timeout_s=120, interval_s=0.2)
+            await wait_until(healthy, timeout_s=120, interval_s=0.1)
             return response, events, code, health_status, grpc_health.status, time.monotonic() - kill_time
 
     response, events, code, health_status, grpc_health, recovery_s = asyncio.run(run())
-    print(f"\ntarget kill: 3 of 3 in-flight requests ended retriable; healthy again {recovery_s:.2f} s after")
+    print(
+        f"\ntarget kill: 3 of 3 in-flight requests ended retriable; healthy again {recovery_s:.2f} s "
+        "after, same group (target restarted in place)"
+    )
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"].isdigit()
     error = response.json()["error"]
@@ -283,7 +294,102 @@ def test_killing_the_target_is_a_clean_short_outage(cluster: ServeCluster, refer
     ] == "503"
     assert code == grpc.StatusCode.UNAVAILABLE
     assert health_status == 503 and grpc_health == health_pb2.HealthCheckResponse.NOT_SERVING
-    # Serve replaced the group: a request now gets the right output.
+    # The group is back: a request now gets the right output (in a slot whose drafter context
+    # belonged to a request that died with the target: the drafter was reset).
+    want = reference.generate(PROMPTS[3], greedy(NEW_TOKENS))[0].text
+    ok = httpx.post(f"{url}/v1/completions", json=completion_body(PROMPTS[3], NEW_TOKENS), timeout=120)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["text"] == want
+    # ...from the same group: Ray restarted the target actor in place, Serve replaced nothing.
+    assert group_identity(cluster) == group
+    assert httpx.get(f"{url}/health", timeout=10).json()["target_restarts"] == restarts_before + 1
+
+
+def test_a_target_lost_while_idle_restarts_in_place_and_every_slot_serves_again(
+    cluster: ServeCluster, reference: LLM
+) -> None:
+    """No request is running, so only the health probes can find the loss; afterwards a full
+    batch (every slot, so every drafter slot too) decodes the reference text speculatively."""
+    import ray
+
+    group = group_identity(cluster)
+    url = cluster.http_url
+    restarts_before = httpx.get(f"{url}/health", timeout=10).json()["target_restarts"]
+    expected = [o.text for o in reference.generate(PROMPTS, greedy(NEW_TOKENS))]
+
+    async def run() -> tuple[list[dict[str, Any]], float, float]:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=16)) as client:
+            ray.kill(group["target"], no_restart=False)
+            kill_time = time.monotonic()
+
+            async def unhealthy() -> bool:
+                return (await health(client, url))[0] == 503
+
+            await wait_until(unhealthy, timeout_s=30, interval_s=0.05)
+            down_s = time.monotonic() - kill_time
+
+            async def healthy() -> bool:
+                return (await health(client, url))[0] == 200
+
+            await wait_until(healthy, timeout_s=120, interval_s=0.1)
+            back_s = time.monotonic() - kill_time
+            responses = await asyncio.gather(
+                *(client.post(f"{url}/v1/completions", json=completion_body(p, NEW_TOKENS)) for p in PROMPTS)
+            )
+            assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+            return [r.json() for r in responses], down_s, back_s
+
+    bodies, down_s, back_s = asyncio.run(run())
+    taus = [b["usage"]["acceptance_length"] for b in bodies]
+    print(
+        f"\nidle target kill: unhealthy {down_s:.2f} s after, healthy again {back_s:.2f} s after; "
+        f"then {len(PROMPTS)} requests at once, mean tau {sum(taus) / len(taus):.2f}"
+    )
+    assert [b["choices"][0]["text"] for b in bodies] == expected
+    assert sum(taus) / len(taus) > 1.0  # speculating again, over drafter slots that were reset
+    assert group_identity(cluster) == group
+    assert httpx.get(f"{url}/health", timeout=10).json()["target_restarts"] == restarts_before + 1
+
+
+def test_a_target_that_stays_dead_ends_in_serve_replacing_the_group(
+    cluster: ServeCluster, reference: LLM
+) -> None:
+    """Past its restarts (here: killed for good) the target cannot come back in place: the
+    request in flight ends retriable, health fails, and Serve's new group serves correctly."""
+    import ray
+
+    group = group_identity(cluster)
+    url = cluster.http_url
+
+    async def run() -> tuple[httpx.Response, float]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            in_flight = asyncio.create_task(
+                client.post(f"{url}/v1/completions", json=completion_body(PROMPTS[0], 400))
+            )
+
+            async def running() -> bool:
+                return (await health(client, url))[1].get("running") == 1
+
+            await wait_until(running)
+            ray.kill(group["target"], no_restart=True)
+            kill_time = time.monotonic()
+            response = await in_flight
+
+            async def healthy() -> bool:
+                try:
+                    return (await health(client, url))[0] == 200
+                except httpx.HTTPError:
+                    return False
+
+            await wait_until(healthy, timeout_s=120, interval_s=0.2)
+            return response, time.monotonic() - kill_time
+
+    response, recovery_s = asyncio.run(run())
+    print(f"\ntarget killed for good: Serve's replacement group healthy {recovery_s:.2f} s after")
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"].isdigit() and "retry" in response.json()["error"]["message"]
+    replacement = group_identity(cluster)
+    assert replacement["target"] != group["target"] and replacement["drafter"] != group["drafter"]
     want = reference.generate(PROMPTS[3], greedy(NEW_TOKENS))[0].text
     ok = httpx.post(f"{url}/v1/completions", json=completion_body(PROMPTS[3], NEW_TOKENS), timeout=120)
     assert ok.status_code == 200, ok.text

@@ -17,13 +17,15 @@ import ray
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.builder import target_dir
+from ddtree_serve.engine.interfaces import TargetUnavailableError
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.models import load_tokenizer
 from ddtree_serve.serve.compiled_graph import GraphTarget
 from ddtree_serve.serve.config import ServeConfig
-from ddtree_serve.serve.group import start_workers
+from ddtree_serve.serve.group import reconnect_workers, start_workers
+from ddtree_serve.serve.workers import RayTarget, TargetRestartedError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -178,7 +180,7 @@ def _run_tracking(
 def test_a_killed_drafter_decodes_plainly_then_speculates_again(
     served_engine: SpecEngine, local_engine: SpecEngine
 ) -> None:
-    """Last in the module: the graph breaks, is torn down, and is compiled over the new drafter."""
+    """The graph breaks, is torn down, and is compiled over the new drafter."""
     schedule = [(0, f"k{i}", PROMPTS[i], _greedy(60)) for i in range(3)]
     expected = _run(local_engine, schedule)
     for _, request_id, prompt, params in schedule:
@@ -202,3 +204,38 @@ def test_a_killed_drafter_decodes_plainly_then_speculates_again(
     again = [(0, "after", PROMPTS[4], _greedy(20))]
     assert _run(served_engine, again) == _run(local_engine, again)
     assert served_engine.speculating
+
+
+def test_a_killed_target_restarts_in_place_under_a_new_engine(
+    served_engine: SpecEngine, local_engine: SpecEngine
+) -> None:
+    """Last in the module: the lost engine's requests fail retriably; Ray restarts the target in
+    its place and a new engine over the same two actors (a new graph under compiled_graph)
+    decodes every slot, those the lost requests held included, exactly as in process."""
+    target, drafter = served_engine.target, served_engine.drafter
+    assert drafter is not None
+    for i in range(3):
+        served_engine.add_request(f"t{i}", PROMPTS[i], _greedy(60))
+    with pytest.raises(TargetUnavailableError):
+        for step in range(400):
+            if step == 3:
+                ray.kill(target.actor, no_restart=False)  # type: ignore[attr-defined]
+            served_engine.step()
+    if isinstance(target, GraphTarget):
+        target.discard()
+    RayTarget(target.actor)  # type: ignore[attr-defined]  # waits for Ray's restart
+    with pytest.raises(TargetRestartedError):  # a call of the lost engine cannot reach its empty slots
+        ray.get(target.actor.encode_context.remote(None))  # type: ignore[attr-defined]
+    transport = "compiled_graph" if isinstance(target, GraphTarget) else "actor_calls"
+    config = ServeConfig(engine=ENGINE, placement={"transport": transport, "overlap": served_engine.overlap})  # type: ignore[arg-type]
+    new_target, new_drafter = reconnect_workers(config, target.actor, drafter.actor)  # type: ignore[attr-defined]
+    engine = SpecEngine(
+        ENGINE.to_settings(), new_target, new_drafter, served_engine.tokenizer, overlap=served_engine.overlap
+    )
+    try:
+        again = [(0, f"r{i}", PROMPTS[i], _greedy(30)) for i in range(ENGINE.max_num_seqs)]
+        assert _run(engine, again) == _run(local_engine, again)
+        assert engine.speculating and engine.num_drafter_losses == 0
+    finally:
+        if isinstance(new_target, GraphTarget):
+            new_target.close()
