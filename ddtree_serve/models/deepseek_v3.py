@@ -56,7 +56,7 @@ from torch import nn
 
 from ddtree_serve.models.int4_experts import stack_int4_expert_tensors
 from ddtree_serve.models.kv_cache import KVLayout
-from ddtree_serve.models.layers import MLP, PreNormBlock, RMSNorm, apply_rope
+from ddtree_serve.models.layers import MLP, PreNormBlock, RMSNorm, apply_rope, checkpoint_embedding
 from ddtree_serve.models.moe import MoE, MoEShape
 from ddtree_serve.models.quantization import (
     PackedInt4Scheme,
@@ -439,7 +439,7 @@ class DeepseekV3Model(nn.Module):
 
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = checkpoint_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )

@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from ddtree_serve.models.kv_cache import KVLayout
-from ddtree_serve.models.layers import DecoderLayer, KVStore, LayerShape, RMSNorm, RotaryEmbedding
+from ddtree_serve.models.layers import (
+    DecoderLayer,
+    KVStore,
+    LayerShape,
+    RMSNorm,
+    RotaryEmbedding,
+    checkpoint_embedding,
+)
 
 # model_type -> (qk_norm, attention_bias default); other Llama-family types refuse to load
 _FAMILY = {"qwen3": (True, False), "qwen2": (False, True), "llama": (False, False)}
@@ -125,7 +132,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         shape = config.layer_shape
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = checkpoint_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
