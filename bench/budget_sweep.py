@@ -250,7 +250,7 @@ def run_simulation(args: argparse.Namespace, traces: list[TraceStep]) -> list[di
                 tokens += sum(_accepted_within(step, budget) + 1 for step in batch)
                 ms += (
                     cost.draft_ms(concurrency)
-                    + float(build.ms(concurrency, budget))
+                    + float(build.ms(concurrency, concurrency * budget))
                     + float(cost.verify_ms(concurrency, concurrency * (budget + 1)))
                 )
             row[f"ddtree-{budget}"] = 1000.0 * tokens / ms
@@ -298,7 +298,7 @@ def fit_build_cost(sweep: dict, traces: list[TraceStep], cost: CostCurve) -> Bui
             forwards = cost.draft_ms(concurrency) + float(
                 cost.verify_ms(concurrency, concurrency * (budget + 1))
             )
-            points.append((concurrency, budget, measured - forwards - plain_extra))
+            points.append((concurrency, concurrency * budget, measured - forwards - plain_extra))
     return BuildCost.fit(points)
 
 
@@ -320,7 +320,7 @@ def _simulate_adaptive(
             built = [tree_prefix(step.tree, step_ceiling) for step in batch]
             allocation = policy.choose(built, [step_ceiling] * len(batch))
             num_nodes = allocation.num_nodes
-            draft_ms += float(charged.ms(len(batch), step_ceiling))
+            draft_ms += float(charged.ms(len(batch), sum(t.num_nodes - 1 for t in built)))
         else:
             draft_ms, num_nodes = 0.0, (0,) * len(batch)
         trees = [tree_prefix(step.tree, n) for step, n in zip(batch, num_nodes, strict=True)]

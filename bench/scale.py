@@ -86,6 +86,7 @@ def build_models(shape: dict, args: argparse.Namespace) -> tuple[TargetRunner, D
     try:
         with torch.device(args.device):
             target = Qwen3ForCausalLM(Qwen3Config.from_dict(shape)).eval()
+            torch.nn.init.normal_(target.model.embed_tokens.weight)  # built for a checkpoint: no init
             draft_config = DFlashConfig.from_dict(drafter_config(shape))
             draft_model = DFlashDraftModel(draft_config).eval()
     finally:

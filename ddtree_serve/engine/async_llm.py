@@ -136,6 +136,11 @@ class AsyncLLM:
         return self._thread.is_alive() and self._error is None
 
     @property
+    def stopped(self) -> bool:
+        """The engine thread has ended: nothing of this engine calls the workers any more."""
+        return not self._thread.is_alive()
+
+    @property
     def num_active_requests(self) -> int:
         """Requests with an open stream (waiting or running)."""
         return len(self._streams)

@@ -74,11 +74,14 @@ class SpecEngine:
         timer: StageTimer | None = None,
         tree_builder: TreeBuilder | None = None,
         overlap: bool = False,
+        budget_policy: AdaptiveBudget | None = None,
     ) -> None:
         """`tree_builder`: where the build stage runs (default: the host; `TreeBuilder("device")`
         builds where the draft lies). `overlap`: two micro-batches in flight (`_overlapped_step`),
         for a target and a drafter that run at the same time (`PipelinedTarget` /
-        `PipelinedDrafter`); over blocking seams it only reorders the same calls."""
+        `PipelinedDrafter`); over blocking seams it only reorders the same calls.
+        `budget_policy`: the adaptive policy of an engine this one replaces over the same workers
+        (its measured costs and calibration carry over); None = calibrate anew."""
         if settings.mode != "ar" and drafter is None:
             raise ValueError(f"mode {settings.mode!r} needs a drafter")
         self.settings = settings
@@ -108,7 +111,9 @@ class SpecEngine:
         self._drafter_in_sync = self.drafter is not None
         self.num_drafter_losses = 0
         self._ceiling = 0  # the adaptive policy's tree ceiling for the step under way
-        self.budget_policy = self._adaptive_budget() if settings.budget_policy == "adaptive" else None
+        self.budget_policy = None
+        if settings.budget_policy == "adaptive":
+            self.budget_policy = budget_policy or self._adaptive_budget()
         if overlap and (self.drafter is None or self.budget_policy is not None):
             raise ValueError("overlap needs a drafter and the fixed budget policy")
         self.overlap = overlap

@@ -186,8 +186,9 @@ class StepGraph:
         execution.done = True
 
     def _run_compiled(self, execution: _Execution) -> None:
-        draft_ref, target_ref, taken_ref = self._graph.execute(execution.draft, execution.target)
         try:
+            # A graph whose actor died may already refuse the write (its channel closed).
+            draft_ref, target_ref, taken_ref = self._graph.execute(execution.draft, execution.target)
             # Channel values are views of the channel's buffer, which the next execution cannot
             # write while one lives (a carried draft outlives a step): copied out at once.
             execution.draft_result = from_wire(draft_ref.get(timeout=_GET_TIMEOUT_S), copy=True)

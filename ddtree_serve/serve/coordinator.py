@@ -24,6 +24,7 @@ from contextlib import aclosing
 from typing import Any
 
 from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
+from ddtree_serve.engine.budget import AdaptiveBudget
 from ddtree_serve.engine.builder import target_dir
 from ddtree_serve.engine.interfaces import Drafter, Target, TargetUnavailableError
 from ddtree_serve.engine.request import RequestStats
@@ -129,8 +130,11 @@ class Coordinator:
         drafter: Drafter | None,
         telemetry: GroupTelemetry,
         load: GroupLoad,
+        budget_policy: AdaptiveBudget | None = None,
     ) -> AsyncLLM:
-        """The engine thread over the group's workers, observed by its telemetry and load."""
+        """The engine thread over the group's workers, observed by its telemetry and load.
+
+        `budget_policy`: the lost engine's adaptive policy, kept over a restart (no recalibration)."""
 
         def observe(record: StepRecord) -> None:
             telemetry.on_step(record)
@@ -143,6 +147,7 @@ class Coordinator:
             self._tokenizer,
             observer=observe,
             overlap=config.placement.overlap,
+            budget_policy=budget_policy,
         )
         llm = AsyncLLM(engine)
         telemetry.start_load_gauges(llm)
@@ -152,10 +157,14 @@ class Coordinator:
         """The supervisor's restart (blocking, on a worker thread): stop the engine that lost its
         target, wait for Ray's restart of the target actor, start a new engine over the actors."""
         lost.shutdown()
+        if not lost.stopped:  # its thread could still call the workers the new engine takes over
+            raise RuntimeError("the engine that lost its target did not stop")
         if isinstance(lost.engine.target, GraphTarget):
             lost.engine.target.discard()  # a new graph is compiled over the restarted target
         target, drafter = reconnect_workers(self._config, self._actors["target"], self._actors.get("drafter"))
-        return self._start_engine(self._config, target, drafter, self._telemetry, self._load)
+        return self._start_engine(
+            self._config, target, drafter, self._telemetry, self._load, lost.engine.budget_policy
+        )
 
     @classmethod
     def sync_init(
@@ -207,6 +216,7 @@ class Coordinator:
             self._supervisor.check_serving()
         except TargetUnavailableError as error:
             raise _unavailable(error) from error
+        llm = self._supervisor.llm  # again: a restart may have completed since the first read
         engine_id = f"{request.request_id}#{next(self._ids)}"
         with self._telemetry.request_span(
             request.request_id, engine_id, request.trace_carrier, len(prompt_ids)

@@ -140,7 +140,7 @@ def reconnect_workers(
     Under the compiled-graph transport a new graph is compiled over both actors.
     """
     target = RayTarget(target_actor)
-    target.start_serving()
+    target.start_serving(config.engine.max_num_seqs)
     if drafter_actor is None:
         return target, None
     drafter = RayDrafter(drafter_actor)

@@ -94,8 +94,15 @@ class TargetWorker:
             "serving": self._serving,
         }
 
-    def start_serving(self) -> None:
-        """Accept step calls again after a restart (its caller knows every slot is empty)."""
+    def start_serving(self, num_slots: int) -> None:
+        """Empty slots `0 .. num_slots - 1` and accept step calls from a new engine.
+
+        Also for a worker that was not restarted: a loss reported for a live target (a transient
+        `ActorUnavailableError`) leaves the old engine's KV caches here, and a prefill on a
+        non-empty slot would extend them instead of starting afresh.
+        """
+        for slot in range(num_slots):
+            self._target.release(slot)
         self._serving = True
 
     @ray.method(num_returns=2)
@@ -249,10 +256,10 @@ class RayTarget:
     def actor(self) -> Any:
         return self._actor
 
-    def start_serving(self) -> None:
-        """Let a restarted worker take step calls: from now on they come from an engine that
-        knows its slots are empty (the Coordinator's new one)."""
-        ray.get(self._actor.start_serving.remote())
+    def start_serving(self, num_slots: int) -> None:
+        """Let a restarted worker take step calls, its first `num_slots` slots emptied: from now
+        on they come from an engine that knows its slots are empty (the Coordinator's new one)."""
+        ray.get(self._actor.start_serving.remote(num_slots))
 
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         output_ref, context_ref = self._actor.prefill.remote(to_wire(inputs))
@@ -364,7 +371,9 @@ class _PendingCall(Generic[ResultT]):
     def result(self) -> ResultT:
         try:
             wired = ray.get(self._ref)
-        except (RayActorError, TargetRestartedError) as error:
+        except TargetRestartedError as error:  # also a drafter call fed by a restarted target's ref
+            raise target_lost(error) from error
+        except RayActorError as error:
             raise self._lost(error) from error
         return self._finish(from_wire(wired))
 

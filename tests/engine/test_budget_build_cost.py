@@ -23,15 +23,15 @@ def test_the_fit_recovers_a_linear_build_and_ignores_warm_up_runs():
     cost = measure_build_cost(probe, [1, 4, 16], [1, 8, 64], repeats=3)
     assert probe.calls == 3 * 3 * 4
     assert (cost.per_step_ms, cost.per_request_ms, cost.per_node_ms) == pytest.approx((0.2, 0.01, 0.003))
-    assert float(cost.ms(16, 64)) == pytest.approx(0.2 + 0.16 + 0.003 * 16 * 64)
+    assert float(cost.ms(16, 16 * 64)) == pytest.approx(0.2 + 0.16 + 0.003 * 16 * 64)
 
 
 def test_a_coefficient_the_data_makes_negative_is_dropped_not_kept():
     # Per-request time that falls with the batch would fit a negative coefficient.
-    points = [(1, 8, 1.0), (2, 8, 1.0), (4, 8, 1.0), (8, 8, 1.0)]
+    points = [(1, 8, 1.0), (2, 16, 1.0), (4, 32, 1.0), (8, 64, 1.0)]
     cost = BuildCost.fit(points)
     assert min(cost.per_step_ms, cost.per_request_ms, cost.per_node_ms) >= 0.0
-    assert float(cost.ms(4, 8)) == pytest.approx(1.0, rel=0.05)
+    assert float(cost.ms(4, 32)) == pytest.approx(1.0, rel=0.05)
 
 
 def test_live_timings_scale_the_prediction_toward_what_was_measured():
@@ -40,8 +40,17 @@ def test_live_timings_scale_the_prediction_toward_what_was_measured():
     for _ in range(20):
         cost.observe(4, 16, 3.0 * before)
     assert float(cost.ms(4, 16)) == pytest.approx(3.0 * before, rel=1e-3)
-    expected = 3.0 * (0.1 + 0.01 * 4 * np.array([8, 16]))
-    np.testing.assert_allclose(cost.ms(4, np.array([8, 16])), expected, rtol=1e-3)  # every ceiling
+    expected = 3.0 * (0.1 + 0.01 * np.array([8, 16]))
+    np.testing.assert_allclose(cost.ms(4, np.array([8, 16])), expected, rtol=1e-3)  # every size
+
+
+def test_one_stalled_build_cannot_price_drafting_out():
+    """A build that stalled (a GC pause, a preempted core) moves the scale by at most 2x."""
+    cost = BuildCost(0.0, 0.0, 0.001, ema_weight=1.0)
+    cost.observe(4, 64, measured_ms=1000.0)  # predicted 0.064 ms
+    assert cost.scale == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="ema_weight"):
+        BuildCost(0.0, 0.0, 0.0, ema_weight=1.5)
 
 
 def test_negative_coefficients_are_refused():

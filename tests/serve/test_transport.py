@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import ray
+from ray.exceptions import ActorUnavailableError
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.builder import target_dir
@@ -220,6 +221,7 @@ def test_a_killed_target_restarts_in_place_under_a_new_engine(
         for step in range(400):
             if step == 3:
                 ray.kill(target.actor, no_restart=False)  # type: ignore[attr-defined]
+                _until_restarted(target.actor)  # type: ignore[attr-defined]  # the kill is asynchronous
             served_engine.step()
     if isinstance(target, GraphTarget):
         target.discard()
@@ -239,3 +241,16 @@ def test_a_killed_target_restarts_in_place_under_a_new_engine(
     finally:
         if isinstance(new_target, GraphTarget):
             new_target.close()
+
+
+def _until_restarted(actor: Any, timeout_s: float = 120.0) -> None:
+    """Waits until Ray has restarted `actor` (its `describe` says it does not serve yet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if not ray.get(actor.describe.remote())["serving"]:
+                return
+        except ActorUnavailableError:
+            pass
+        time.sleep(0.05)
+    pytest.fail(f"the target actor did not restart within {timeout_s:g} s")

@@ -59,7 +59,7 @@ class DraftGate:
         best, best_rate = cap, 0.0
         for candidate in powers_of_two_upto(cap):
             capped = [min(c, candidate) for c in caps]
-            step_draft_ms = draft_ms + float(build.ms(batch_size, candidate))
+            step_draft_ms = draft_ms + float(build.ms(batch_size, sum(capped)))
             rate = allocate(curves, capped, cost, draft_ms=step_draft_ms, layout=layout).tokens_per_s
             if rate > best_rate:
                 best, best_rate = candidate, rate

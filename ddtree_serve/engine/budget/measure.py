@@ -80,9 +80,8 @@ def measure_build_cost(
     for batch_size in batch_sizes:
         for ceiling in ceilings:
             probe.build_ms(batch_size, ceiling)
-            points.append(
-                (batch_size, ceiling, min(probe.build_ms(batch_size, ceiling) for _ in range(repeats)))
-            )
+            fastest = min(probe.build_ms(batch_size, ceiling) for _ in range(repeats))
+            points.append((batch_size, batch_size * ceiling, fastest))
     return BuildCost.fit(points)
 
 

@@ -71,6 +71,7 @@ class AdaptiveBudget:
         self.layout = layout  # the engine pads every tree of a batch to the widest
         self.last_step: BudgetStep | None = None
         self._ceiling = 0
+        self._built_nodes = 0  # draft nodes of the trees `choose` saw (what the build made)
         self._draft_ms: float | None = None
         self._build_ms: float | None = None
         self._verify_ms: float | None = None
@@ -98,6 +99,7 @@ class AdaptiveBudget:
         accept_probs = np.split(calibrated, np.cumsum([len(r) for r in raw])[:-1])
         self.gate.record_curve(accept_probs)
         draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
+        self._built_nodes = sum(len(p) for p in accept_probs)
         self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
         return self._allocation
 
@@ -114,7 +116,7 @@ class AdaptiveBudget:
         if self._draft_ms is not None:
             self.cost.observe_draft(batch_size, self._draft_ms)
         if self._build_ms is not None and drafted:
-            self.build.observe(batch_size, self._ceiling, self._build_ms)
+            self.build.observe(batch_size, self._built_nodes, self._build_ms)
         if drafted:
             probs, hits = [], []
             for tree, nodes in zip(trees, accepted_nodes, strict=True):
