@@ -81,14 +81,25 @@ FREE_BUILD = BuildCost(0.0, 0.0, 0.0)
 def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
     gate = DraftGate(probe_interval=4)
     costly_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=20.0)
-    assert gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") == 8  # no curve yet: learn one
+    # No curve yet: learn one at the widest ceiling costing at most 4 plain steps (none: 1).
+    assert gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") == 1
     gate.record_curve([UNSURE, UNSURE])
     assert plain_decode_rate(2, costly_drafter) > 0
     ceilings = [gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") for _ in range(10)]
-    assert ceilings == [0, 0, 0, 0, 8, 0, 0, 0, 0, 8]  # a probe after 4 plain steps
+    assert ceilings == [0, 0, 0, 8, 0, 0, 0, 0, 8, 0]  # a probe after 4 narrow steps (the first counts)
     cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
     gate.record_curve([CONFIDENT, CONFIDENT])
     assert gate.ceiling([8, 8], cheap_drafter, FREE_BUILD, "padded") > 0
+
+
+def test_the_first_ceiling_is_the_widest_that_costs_a_few_plain_steps():
+    flat = linear_curve(fixed_ms=5.0, per_token_ms=0.0, draft_ms=0.5)  # every width costs the same
+    assert DraftGate().ceiling([8, 8], flat, FREE_BUILD, "padded") == 8
+    # 2 trees of c nodes: 5.5 + (2c + 2) ms against a 7 ms plain step; 4 plain steps is 28 ms.
+    steep = linear_curve(fixed_ms=5.0, per_token_ms=1.0, draft_ms=0.5)
+    assert DraftGate().ceiling([8, 8], steep, FREE_BUILD, "padded") == 8  # 23.5 ms
+    steeper = linear_curve(fixed_ms=5.0, per_token_ms=2.0, draft_ms=0.5)  # plain 9 ms, budget 36
+    assert DraftGate().ceiling([8, 8], steeper, FREE_BUILD, "padded") == 4  # 25.5 ms; 8 is 41.5
 
 
 def test_a_costly_build_narrows_the_ceiling_and_a_probe_widens_it_again():

@@ -6,7 +6,8 @@ recent acceptance curve (an EMA, per best-first position, of the calibrated acce
 probabilities of the latest drafted trees, averaged over their requests) as if every running
 request had that curve, with the drafter's call, that ceiling's build and the verify forward as
 the step's cost; ceiling 0 is a plain decode step (no drafter call, root-only trees). The best
-one wins. After `probe_interval` steps in a row below the cap, one step builds wider (twice
+one wins. The first step, with no curve yet, takes the widest ceiling that costs at most a few
+plain steps. After `probe_interval` steps in a row below the cap, one step builds wider (twice
 the choice) so the curve past the chosen width stays current and the engine can widen again
 when acceptance or load changes; after plain steps the probe drafts at the best drafting
 ceiling (a probe at the cap could cost more than the plain steps before it saved).
@@ -19,6 +20,9 @@ import numpy as np
 from ddtree_serve.engine.budget.allocator import StepCost, TokenLayout, allocate, plain_decode_rate
 from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.measure import powers_of_two_upto
+
+FIRST_STEP_PLAIN_STEPS = 4.0
+"""What the first drafted step may cost, in plain decode steps, before anything is known."""
 
 
 class DraftGate:
@@ -38,7 +42,7 @@ class DraftGate:
         if cap <= 0:
             return 0
         if self.curve is None:
-            best = drafted = cap
+            best = drafted = self._first_ceiling(caps, cost, build)
         else:
             drafted, drafted_rate = self._best_drafted_ceiling(caps, cost, build, layout)
             best = drafted if drafted_rate > plain_decode_rate(len(caps), cost) else 0
@@ -64,6 +68,26 @@ class DraftGate:
             if rate > best_rate:
                 best, best_rate = candidate, rate
         return best, best_rate
+
+    @staticmethod
+    def _first_ceiling(caps: Sequence[int], cost: StepCost, build: BuildCost) -> int:
+        """The first step knows no acceptance: the widest ceiling that costs at most
+        `FIRST_STEP_PLAIN_STEPS` plain steps (at least 1), so learning the curve costs little
+        where wide trees are dear (a CPU under load) and sees the whole cap where they are not."""
+        batch_size = len(caps)
+        plain_ms = float(cost.verify_ms(batch_size, batch_size))
+        draft_ms = cost.draft_ms(batch_size)
+        affordable = 1
+        for candidate in powers_of_two_upto(max(caps)):
+            capped = [min(c, candidate) for c in caps]
+            step_ms = (
+                draft_ms
+                + float(build.ms(batch_size, sum(capped)))
+                + float(cost.verify_ms(batch_size, batch_size * (candidate + 1)))
+            )
+            if step_ms <= FIRST_STEP_PLAIN_STEPS * plain_ms:
+                affordable = candidate
+        return affordable
 
     def record_curve(self, accept_probs: Sequence[np.ndarray]) -> None:
         """A drafted step's candidates: per request, calibrated probabilities in best-first order."""
