@@ -15,6 +15,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
     tree_prefix,
 )
+from ddtree_serve.engine.budget.allocator import shared_curve_rate
 from ddtree_serve.tree import build_ddtree, draft_topk
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
@@ -85,8 +86,9 @@ def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
     assert gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") == 1
     gate.record_curve([UNSURE, UNSURE])
     assert plain_decode_rate(2, costly_drafter) > 0
-    ceilings = [gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") for _ in range(10)]
-    assert ceilings == [0, 0, 0, 8, 0, 0, 0, 0, 8, 0]  # a probe after 4 narrow steps (the first counts)
+    ceilings = [gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") for _ in range(30)]
+    # A probe after 4 narrow steps (the first counts), then after 8, then 16: each found a loss.
+    assert [i for i, c in enumerate(ceilings) if c] == [3, 12, 29] and set(ceilings) == {0, 8}
     cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
     gate.record_curve([CONFIDENT, CONFIDENT])
     assert gate.ceiling([8, 8], cheap_drafter, FREE_BUILD, "padded") > 0
@@ -170,3 +172,19 @@ def test_a_plain_step_teaches_the_cost_curve_only():
     assert not record.drafted and record.num_nodes == (0,) and record.predicted_per_request == (0.0,)
     assert float(policy.cost.verify_ms(1, 1)) > 4.3  # pulled toward the 50 ms it measured
     np.testing.assert_array_equal(policy.calibrator.calibrate(np.array([0.5])), calibrated_before)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_gates_shared_curve_rate_is_the_allocators(seed):
+    """The gate's per-step fast path gives what allocating every request the curve gives."""
+    rng = np.random.default_rng(seed)
+    tokens = np.array([1.0, 64.0, 4096.0])
+    cost = CostCurve([1, 8], tokens, [[2.0, 4.0, 60.0], [3.0, 8.0, 90.0]], draft_ms=[0.5, 1.0])
+    for _ in range(50):
+        curve = rng.random(int(rng.integers(1, 20)))  # not even non-increasing: both must fix that
+        caps = [int(c) for c in rng.integers(0, 25, size=int(rng.integers(1, 9)))]
+        for layout in ("padded", "packed"):
+            expected = allocate([curve] * len(caps), caps, cost, draft_ms=0.7, layout=layout).tokens_per_s
+            assert shared_curve_rate(curve, caps, cost, draft_ms=0.7, layout=layout) == pytest.approx(
+                expected
+            )

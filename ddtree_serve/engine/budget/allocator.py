@@ -75,6 +75,25 @@ def allocate(
     return _allocate_padded(probs, cost, draft_ms)
 
 
+def shared_curve_rate(
+    curve: np.ndarray, caps: Sequence[int], cost: StepCost, *, draft_ms: float, layout: TokenLayout
+) -> float:
+    """Best predicted tokens/s when every request's candidates follow one acceptance `curve`,
+    request i cut at `caps[i]`: `allocate([curve] * B, caps, ...).tokens_per_s`, without the
+    per-request work on the padded layout (the draft gate asks this of every ceiling, every step).
+    """
+    if layout == "packed":
+        return allocate([curve] * len(caps), caps, cost, draft_ms=draft_ms, layout=layout).tokens_per_s
+    batch_size = len(caps)
+    shared = _non_increasing(curve)
+    lengths = np.minimum(np.maximum(np.asarray(caps, dtype=np.int64), 0), len(shared))  # [B]
+    widths = np.arange(int(lengths.max(initial=0)) + 1)  # draft nodes of the widest tree
+    cumulative = np.concatenate(([0.0], np.cumsum(shared)))
+    expected = batch_size + cumulative[np.minimum(widths[None, :], lengths[:, None])].sum(axis=0)
+    step_ms = draft_ms + cost.verify_ms(batch_size, batch_size * (widths + 1))
+    return float(1000.0 * np.max(expected / step_ms))
+
+
 def plain_decode_rate(batch_size: int, cost: StepCost) -> float:
     """Tokens per second of a step that skips the drafter: one token per request, root-only trees."""
     return 1000.0 * batch_size / float(cost.verify_ms(batch_size, batch_size))

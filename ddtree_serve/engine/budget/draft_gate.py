@@ -10,14 +10,16 @@ one wins. The first step, with no curve yet, takes the widest ceiling that costs
 plain steps. After `probe_interval` steps in a row below the cap, one step builds wider (twice
 the choice) so the curve past the chosen width stays current and the engine can widen again
 when acceptance or load changes; after plain steps the probe drafts at the best drafting
-ceiling (a probe at the cap could cost more than the plain steps before it saved).
+ceiling (a probe at the cap could cost more than the plain steps before it saved), and while
+probes keep finding drafting a loss they come at doubling intervals: each one also pays the
+drafter's catch-up on all the context it skipped (on a CPU at batch 64, ten plain steps' worth).
 """
 
 from collections.abc import Sequence
 
 import numpy as np
 
-from ddtree_serve.engine.budget.allocator import StepCost, TokenLayout, allocate, plain_decode_rate
+from ddtree_serve.engine.budget.allocator import StepCost, TokenLayout, plain_decode_rate, shared_curve_rate
 from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.measure import powers_of_two_upto
 
@@ -35,6 +37,9 @@ class DraftGate:
         self.curve_weight = curve_weight
         self.curve: np.ndarray | None = None  # [positions] recent calibrated acceptance
         self.num_narrow_steps = 0  # consecutive steps whose ceiling was below the cap
+        # Plain steps before the next probe: doubled after each probe that found drafting still
+        # a loss (a probe pays the drafter's catch-up on every context it skipped), up to 16x.
+        self.plain_probe_interval = probe_interval
 
     def ceiling(self, caps: Sequence[int], cost: StepCost, build: BuildCost, layout: TokenLayout) -> int:
         """Draft nodes per tree this step may build (0: decode plainly); counts toward a probe."""
@@ -47,8 +52,13 @@ class DraftGate:
             drafted, drafted_rate = self._best_drafted_ceiling(caps, cost, build, layout)
             best = drafted if drafted_rate > plain_decode_rate(len(caps), cost) else 0
         chosen = best
-        if best < cap and self.num_narrow_steps >= self.probe_interval:
+        interval = self.plain_probe_interval if best == 0 else self.probe_interval
+        if best < cap and self.num_narrow_steps >= interval:
             chosen = drafted if best == 0 else min(cap, 2 * best)
+        if best > 0:
+            self.plain_probe_interval = self.probe_interval
+        elif chosen > 0:
+            self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
         self.num_narrow_steps = 0 if chosen != best or chosen == cap else self.num_narrow_steps + 1
         return chosen
 
@@ -58,13 +68,12 @@ class DraftGate:
         """The drafting ceiling with the best predicted rate, and that rate."""
         assert self.curve is not None
         batch_size, cap = len(caps), max(caps)
-        curves = [self.curve] * batch_size
         draft_ms = cost.draft_ms(batch_size)
         best, best_rate = cap, 0.0
         for candidate in powers_of_two_upto(cap):
             capped = [min(c, candidate) for c in caps]
             step_draft_ms = draft_ms + float(build.ms(batch_size, sum(capped)))
-            rate = allocate(curves, capped, cost, draft_ms=step_draft_ms, layout=layout).tokens_per_s
+            rate = shared_curve_rate(self.curve, capped, cost, draft_ms=step_draft_ms, layout=layout)
             if rate > best_rate:
                 best, best_rate = candidate, rate
         return best, best_rate
