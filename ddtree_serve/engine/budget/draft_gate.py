@@ -11,8 +11,8 @@ plain steps. After `probe_interval` steps in a row below the cap, one step build
 the choice) so the curve past the chosen width stays current and the engine can widen again
 when acceptance or load changes; after plain steps the probe drafts at the best drafting
 ceiling (a probe at the cap could cost more than the plain steps before it saved), and while
-probes keep finding drafting a loss they come at doubling intervals: each one also pays the
-drafter's catch-up on all the context it skipped (on a CPU at batch 64, ten plain steps' worth).
+probes keep finding drafting a clear loss they come at doubling intervals: each one also pays
+the drafter's catch-up on all the context it skipped (on a CPU at batch 64, ten plain steps').
 """
 
 from collections.abc import Sequence
@@ -25,6 +25,11 @@ from ddtree_serve.engine.budget.measure import powers_of_two_upto
 
 FIRST_STEP_PLAIN_STEPS = 4.0
 """What the first drafted step may cost, in plain decode steps, before anything is known."""
+
+
+CLEAR_LOSS = 0.8
+"""Probes back off only while the best drafting rate is predicted below this share of plain
+decoding's: near the boundary the curve's noise decides, and a probe is cheap to be wrong on."""
 
 
 class DraftGate:
@@ -46,16 +51,19 @@ class DraftGate:
         cap = max(caps)
         if cap <= 0:
             return 0
+        clear_loss = False  # drafting predicted well below plain decoding
         if self.curve is None:
             best = drafted = self._first_ceiling(caps, cost, build)
         else:
             drafted, drafted_rate = self._best_drafted_ceiling(caps, cost, build, layout)
-            best = drafted if drafted_rate > plain_decode_rate(len(caps), cost) else 0
+            plain_rate = plain_decode_rate(len(caps), cost)
+            best = drafted if drafted_rate > plain_rate else 0
+            clear_loss = drafted_rate < CLEAR_LOSS * plain_rate
         chosen = best
         interval = self.plain_probe_interval if best == 0 else self.probe_interval
         if best < cap and self.num_narrow_steps >= interval:
             chosen = drafted if best == 0 else min(cap, 2 * best)
-        if best > 0:
+        if best > 0 or not clear_loss:
             self.plain_probe_interval = self.probe_interval
         elif chosen > 0:
             self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
