@@ -17,7 +17,7 @@ from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import BudgetStep, BuildCost
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
-from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.engine.spec_engine import PROBE_REQUESTS, SpecEngine
 from ddtree_serve.models import bundled_target_dir, load_tokenizer
 from tests.engine.conftest import REFERENCE_TOKENS, bundled_pair_present
 from tests.engine.test_positions import CheckingDrafter, check_after_step
@@ -129,6 +129,36 @@ def test_context_from_plain_steps_reaches_the_drafter(make_pair_config, prompt_i
         num_checked += check_after_step(engine, drafter)
     assert drafter.num_checked >= 2 * len(prompt_ids)  # drafted more than once: a probe came back
     assert drafter.mismatches == [] and num_checked > 20
+
+
+def test_a_probe_drafts_a_few_requests_and_the_rest_catch_up_later(
+    make_pair_config, greedy_references, prompt_ids, cost_files
+):
+    """More running requests than a probe drafts: the undrafted ones verify their root, keep
+    their context for later, and every output is still the target's greedy output."""
+    requests = [prompt_ids[i % len(prompt_ids)] for i in range(PROBE_REQUESTS + 3)]
+    config = make_pair_config(mode="ddtree", budget=6, max_num_seqs=len(requests), budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["costly_drafter"]}))
+    engine.budget_policy.build = FILE_ONLY
+    engine.budget_policy.gate.probe_interval = engine.budget_policy.gate.plain_probe_interval = 3
+    drafter = CheckingDrafter(engine.drafter, engine.target)
+    engine.drafter = drafter
+    for i, prompt in enumerate(requests):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
+    finished: dict[str, list[int]] = {}
+    partial_probes = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+        step = engine.budget_policy.last_step
+        if engine.budget_policy.probing and step is not None and step.drafted:
+            partial_probes += 1
+            assert all(n == 0 for n in step.num_nodes[PROBE_REQUESTS:])  # roots only past the probe
+        check_after_step(engine, drafter)
+    assert partial_probes >= 2 and drafter.mismatches == []
+    for i, prompt in enumerate(requests):
+        assert [*prompt, *finished[str(i)]] == greedy_references[tuple(prompt)]
 
 
 def test_measured_cost_curve_covers_the_engine_shapes(make_pair_config):

@@ -45,6 +45,7 @@ class DraftGate:
         # Plain steps before the next probe: doubled after each probe that found drafting still
         # a loss (a probe pays the drafter's catch-up on every context it skipped), up to 16x.
         self.plain_probe_interval = probe_interval
+        self.probing = False  # the last ceiling is a probe after plain steps
 
     def ceiling(self, caps: Sequence[int], cost: StepCost, build: BuildCost, layout: TokenLayout) -> int:
         """Draft nodes per tree this step may build (0: decode plainly); counts toward a probe."""
@@ -63,6 +64,7 @@ class DraftGate:
         interval = self.plain_probe_interval if best == 0 else self.probe_interval
         if best < cap and self.num_narrow_steps >= interval:
             chosen = drafted if best == 0 else min(cap, 2 * best)
+        self.probing = best == 0 and chosen > 0
         if best > 0 or not clear_loss:
             self.plain_probe_interval = self.probe_interval
         elif chosen > 0:

@@ -83,6 +83,12 @@ class AdaptiveBudget:
         self._ceiling = self.gate.ceiling(caps, self.cost, self.build, self.layout)
         return self._ceiling
 
+    @property
+    def probing(self) -> bool:
+        """This step drafts only to refresh the acceptance curve, after plain steps: the engine
+        may draft a few of its requests (the others verify root-only trees)."""
+        return self.gate.probing
+
     def record_draft_ms(self, draft_ms: float) -> None:
         self._draft_ms = draft_ms
 
