@@ -21,7 +21,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -57,8 +56,8 @@ from ddtree_serve.engine.scheduler import ScheduledStep, Scheduler
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.stop import StopChecker
 from ddtree_serve.engine.timing import Stage, StageTimer
-from ddtree_serve.engine.tree_builder import BuiltTrees, TreeBuilder, build_host_trees
-from ddtree_serve.tree import build_chain, build_verify_batch
+from ddtree_serve.engine.tree_builder import BuiltTrees, TreeBuilder, build_host_trees, root_only_trees
+from ddtree_serve.tree import build_verify_batch
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +114,6 @@ class SpecEngine:
         # `DrafterUnavailableError` until `_restore_drafter` has handed it whole contexts again.
         self._drafter_in_sync = self.drafter is not None
         self.num_drafter_losses = 0
-        self._ceiling = 0  # the adaptive policy's tree ceiling for the step under way
-        self._drafted = 0  # how many of the step's requests (the first ones) the draft covers
         self.budget_policy = None
         if settings.budget_policy == "adaptive":
             self.budget_policy = budget_policy or self._adaptive_budget()
@@ -233,17 +230,15 @@ class SpecEngine:
         if self.drafter is None or not self._drafter_ready(self.drafter, requests):
             return None
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
-        self._drafted = len(requests)
         if self.budget_policy is not None:
-            self._ceiling = self.budget_policy.plan([self._budget(r) for r in requests])
-            if self._ceiling == 0:
+            ceiling = self.budget_policy.plan([self._budget(r) for r in requests])
+            if ceiling == 0:
                 return None
-            top_k = min(top_k, self._ceiling)
+            top_k = min(top_k, ceiling)
             if self.budget_policy.probing:
                 # A probe after plain steps only refreshes the acceptance curve: a few requests
                 # tell it, and only they pay the drafter's catch-up on the context they skipped.
-                self._drafted = min(len(requests), PROBE_REQUESTS)
-                requests = requests[: self._drafted]
+                requests = requests[:PROBE_REQUESTS]
         contexts = [tuple(r.pending_contexts) for r in requests]
         assert all(contexts), "every running request has undrafted context"
         bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
@@ -407,13 +402,13 @@ class SpecEngine:
     ) -> BuiltTrees:
         """Host trees at the ceiling, cut to the allocation; the stage's time prices the next ceilings.
 
-        A probe drafted only the first `self._drafted` requests: the others verify their root."""
+        The draft covers the first requests only (all, but for a probe): the rest verify their root."""
         started = time.perf_counter()
-        drafted = self._drafted
-        caps = [min(self._budget(r), self._ceiling) if i < drafted else 0 for i, r in enumerate(requests)]
+        drafted = len(draft.num_context_tokens)  # checked against the drafted requests in `_draft`
+        caps = [min(self._budget(r), policy.ceiling) if i < drafted else 0 for i, r in enumerate(requests)]
         roots = [_bonus(r) for r in requests]
         built = build_host_trees(draft.logp, draft.ids, caps[:drafted], roots[:drafted])
-        built += [build_chain(np.empty(0, dtype=np.int64), root) for root in roots[drafted:]]
+        built += root_only_trees(roots[drafted:])
         allocation = policy.choose(built, caps)
         trees = [tree_prefix(t, n) for t, n in zip(built, allocation.num_nodes, strict=True)]
         batch = BuiltTrees(build_verify_batch(trees), [t.num_nodes for t in trees], trees)

@@ -68,7 +68,7 @@ class TreeBuilder:
         `root_tokens[b]`: its bonus token. Request b uses its first min(budget, K) ranks.
         """
         if logp is None or ids is None:
-            trees = [build_chain(np.empty(0, dtype=np.int64), root) for root in root_tokens]
+            trees = root_only_trees(root_tokens)
             return BuiltTrees(build_verify_batch(trees), [1] * len(trees), trees)
         if self.placement == "device":
             return self._build_on_device(logp, ids, budgets, root_tokens, chain)
@@ -107,6 +107,11 @@ def _build_on_host(
     """The reference: one tree per request by the heap builder, then the padded batch."""
     trees = build_host_trees(logp, ids, budgets, root_tokens, chain=chain)
     return BuiltTrees(build_verify_batch(trees), [tree.num_nodes for tree in trees], trees)
+
+
+def root_only_trees(root_tokens: Sequence[int]) -> list[DraftTree]:
+    """Each request's tree as its root alone: what a request verifies in a step it was not drafted."""
+    return [build_chain(np.empty(0, dtype=np.int64), root) for root in root_tokens]
 
 
 def build_host_trees(

@@ -43,7 +43,7 @@ from ddtree_serve.engine.interfaces import (
 from ddtree_serve.models.parallel import RankSpec
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.wire import from_wire, to_wire
-from ddtree_serve.serve.workers import TargetWorker
+from ddtree_serve.serve.workers import DescribedTarget, TargetWorker
 
 
 class TargetGroupError(TargetUnavailableError):
@@ -98,17 +98,14 @@ def start_target_group(
     return RayTargetGroup(actors)
 
 
-class RayTargetGroup:
+class RayTargetGroup(DescribedTarget):
     """`Target` over the rank actors of one tensor-parallel group; rank 0's results are the group's."""
 
     def __init__(self, actors: list[Any]) -> None:
         self._actors = actors
         self._failure: TargetGroupError | None = None
         infos = self._gather([actor.describe.remote() for actor in actors], "start-up")
-        info = infos[0]
-        self._vocab_size: int = info["vocab_size"]
-        self._eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
-        self._max_seq_len: int = info["max_seq_len"]
+        super().__init__(infos[0])
 
     @property
     def ranks(self) -> list[Any]:
@@ -118,18 +115,6 @@ class RayTargetGroup:
     @property
     def world_size(self) -> int:
         return len(self._actors)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos_token_ids
-
-    @property
-    def max_seq_len(self) -> int:
-        return self._max_seq_len
 
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         self._check_up()

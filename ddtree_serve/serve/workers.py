@@ -228,14 +228,11 @@ class DrafterWorker:
         return len(delivery.slots)
 
 
-class RayTarget:
-    """`Target` over a `TargetWorker` handle; blocks the engine thread on each step's result."""
+class DescribedTarget:
+    """The `Target` metadata a `TargetWorker.describe` reported, read once at connection: the
+    part the single-actor adapter and the tensor-parallel group adapter share."""
 
-    def __init__(self, actor: Any) -> None:
-        """Waits for the worker, through a restart Ray is running; `RayActorError` once it is
-        dead for good."""
-        self._actor = actor
-        info = _describe_restarted(actor)
+    def __init__(self, info: dict[str, Any]) -> None:
         self._vocab_size: int = info["vocab_size"]
         self._eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
         self._max_seq_len: int = info["max_seq_len"]
@@ -251,6 +248,16 @@ class RayTarget:
     @property
     def max_seq_len(self) -> int:
         return self._max_seq_len
+
+
+class RayTarget(DescribedTarget):
+    """`Target` over a `TargetWorker` handle; blocks the engine thread on each step's result."""
+
+    def __init__(self, actor: Any) -> None:
+        """Waits for the worker, through a restart Ray is running; `RayActorError` once it is
+        dead for good."""
+        self._actor = actor
+        super().__init__(_describe_restarted(actor))
 
     @property
     def actor(self) -> Any:

@@ -84,6 +84,11 @@ class AdaptiveBudget:
         return self._ceiling
 
     @property
+    def ceiling(self) -> int:
+        """The tree ceiling `plan` chose for the step under way."""
+        return self._ceiling
+
+    @property
     def probing(self) -> bool:
         """This step drafts only to refresh the acceptance curve, after plain steps: the engine
         may draft a few of its requests (the others verify root-only trees)."""
