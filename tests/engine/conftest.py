@@ -29,6 +29,22 @@ def run_to_completion(engine: SpecEngine) -> dict[str, list[int]]:
     return finished
 
 
+def run_joining_midway(
+    engine: SpecEngine, prompts: list[list[int]], params: SamplingParams
+) -> dict[str, list[int]]:
+    """Adds request `i` for `prompts[i]` two steps after the one before (each joins a batch
+    mid-generation), then steps until idle; final token ids per request id."""
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+        for _ in range(2):
+            for output in engine.step():
+                if output.finished:
+                    outputs[output.request_id] = list(output.token_ids)
+    outputs.update(run_to_completion(engine))
+    return outputs
+
+
 def bundled_pair_present() -> bool:
     return (bundled_target_dir() / "config.json").exists() and (
         bundled_drafter_dir() / "config.json"

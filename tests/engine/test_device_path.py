@@ -18,7 +18,7 @@ from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.engine.target_step import TargetStep
 from ddtree_serve.engine.tree_builder import TreeBuilder
 from ddtree_serve.models import TargetRunner
-from tests.engine.conftest import REFERENCE_TOKENS, run_to_completion
+from tests.engine.conftest import REFERENCE_TOKENS, run_joining_midway, run_to_completion
 from tests.engine.fakes import OracleDrafter, RecordingTarget
 
 GREEDY = SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True)
@@ -63,14 +63,7 @@ def test_device_step_with_an_oracle_drafter_matches_plain_greedy(
     engine = SpecEngine(
         config.to_settings(), target, drafter, pair_tokenizer, tree_builder=TreeBuilder("device")
     )
-    outputs: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompt_ids):
-        engine.add_request(str(i), prompt, GREEDY)
-        for _ in range(2):  # the next request joins while this one is mid-generation
-            for output in engine.step():
-                if output.finished:
-                    outputs[output.request_id] = list(output.token_ids)
-    outputs.update(run_to_completion(engine))
+    outputs = run_joining_midway(engine, prompt_ids, GREEDY)
     for i, prompt in enumerate(prompt_ids):
         assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
     tokens_per_step = len(prompt_ids) * REFERENCE_TOKENS / len(target.verify_batch_sizes)

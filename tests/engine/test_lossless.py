@@ -4,7 +4,7 @@ import pytest
 
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
-from tests.engine.conftest import REFERENCE_TOKENS, run_to_completion
+from tests.engine.conftest import REFERENCE_TOKENS, run_joining_midway, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True)
 
@@ -33,14 +33,7 @@ def test_batched_with_requests_joining_midway_matches_plain_greedy(
     make_oracle_engine, prompt_ids, greedy_references, mode, budget
 ):
     engine, target = make_oracle_engine(mode, budget=budget, max_num_seqs=3)
-    outputs: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompt_ids):
-        engine.add_request(str(i), prompt, GREEDY)
-        for _ in range(2):  # the next request joins while this one is mid-generation
-            for output in engine.step():
-                if output.finished:
-                    outputs[output.request_id] = list(output.token_ids)
-    outputs.update(run_to_completion(engine))
+    outputs = run_joining_midway(engine, prompt_ids, GREEDY)
     for i, prompt in enumerate(prompt_ids):
         assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
     assert sorted(set(target.verify_batch_sizes)) == [1, 2, 3]

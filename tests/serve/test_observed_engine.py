@@ -15,13 +15,8 @@ from ddtree_serve.serve.group import start_workers
 from ddtree_serve.serve.observed_engine import ObservedEngine, StepRecord
 
 
-def test_step_records_count_each_requests_verified_tokens() -> None:
-    config = ServeConfig.model_validate(
-        {
-            "engine": {"max_seq_len": 256, "max_num_seqs": 4, "budget": 16},
-            "placement": {"workers": "in_process"},
-        }
-    )
+def observed_engine(config: ServeConfig) -> tuple[ObservedEngine, list[StepRecord]]:
+    """An engine over the config's in-process workers, and the list its step records go to."""
     target, drafter = start_workers(config)
     records: list[StepRecord] = []
     engine = ObservedEngine(
@@ -31,6 +26,17 @@ def test_step_records_count_each_requests_verified_tokens() -> None:
         load_tokenizer(bundled_target_dir()),
         observer=records.append,
     )
+    return engine, records
+
+
+def test_step_records_count_each_requests_verified_tokens() -> None:
+    config = ServeConfig.model_validate(
+        {
+            "engine": {"max_seq_len": 256, "max_num_seqs": 4, "budget": 16},
+            "placement": {"workers": "in_process"},
+        }
+    )
+    engine, records = observed_engine(config)
     max_tokens = {"a": 30, "b": 45, "c": 12}
     prompts = ["def add(a, b):", "for i in range(10):", "import os"]
     for request_id, prompt in zip(max_tokens, prompts, strict=True):
@@ -76,15 +82,7 @@ def test_step_records_carry_the_adaptive_budgets_choice_of_that_step(tmp_path: P
             "placement": {"workers": "in_process"},
         }
     )
-    target, drafter = start_workers(config)
-    records: list[StepRecord] = []
-    engine = ObservedEngine(
-        config.engine.to_settings(),
-        target,
-        drafter,
-        load_tokenizer(bundled_target_dir()),
-        observer=records.append,
-    )
+    engine, records = observed_engine(config)
     for request_id, prompt in (("a", "def add(a, b):"), ("b", "import os")):
         engine.add_request(request_id, prompt, SamplingParams(max_tokens=40, ignore_eos=True))
     while engine.has_unfinished_requests():
