@@ -41,30 +41,20 @@ def random_batches(rng: np.random.Generator, count: int):
         yield batch, rigged_logits(batch, rng, p_follow=0.8)
 
 
-def test_host_walk_matches_reference_on_random_trees():
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize(
+    ("walk", "seed"), [(greedy_walk_on_host, 0), (greedy_walk_on_device, 2)], ids=["host", "device"]
+)
+def test_walk_matches_reference_on_random_trees(walk, seed):
+    rng = np.random.default_rng(seed)
     deepest = 0
     for batch, logits in random_batches(rng, 40):
         expected = verify_greedy(batch, logits)
-        accept_index, accept_len, bonus = greedy_walk_on_host(batch, logits.argmax(dim=-1))
+        accept_index, accept_len, bonus = walk(batch, logits.argmax(dim=-1))
         assert torch.equal(accept_index, expected.accept_index)
         assert torch.equal(accept_len, expected.accept_len)
         assert torch.equal(bonus, expected.bonus_token)
         deepest = max(deepest, int(accept_len.max()))
     assert deepest >= 3  # the rigged logits make the walks go deep
-
-
-def test_device_walk_matches_reference_on_random_trees():
-    rng = np.random.default_rng(2)
-    deepest = 0
-    for batch, logits in random_batches(rng, 40):
-        expected = verify_greedy(batch, logits)
-        accept_index, accept_len, bonus = greedy_walk_on_device(batch, logits.argmax(dim=-1))
-        assert torch.equal(accept_index, expected.accept_index)
-        assert torch.equal(accept_len, expected.accept_len)
-        assert torch.equal(bonus, expected.bonus_token)
-        deepest = max(deepest, int(accept_len.max()))
-    assert deepest >= 3
 
 
 def test_device_walk_matches_reference_on_device_built_trees():
