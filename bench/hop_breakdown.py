@@ -19,6 +19,7 @@ over the compiled graph transport (when it is importable), rounds interleaved so
 load hits every configuration alike.
 
     python bench/hop_breakdown.py --batch-sizes 1 4 16 --repeats 200
+    python bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8   # on the GPU machine
 """
 
 import argparse
@@ -275,7 +276,9 @@ def serve_chunk_table(num_chunks: int) -> dict[str, float]:
     return figures
 
 
-def engine_step_table(batch_size: int, budget: int, steps: int, rounds: int) -> dict[str, float]:
+def engine_step_table(
+    batch_size: int, budget: int, steps: int, rounds: int, device: str, dtype: str
+) -> dict[str, float]:
     """ms per engine step on the real models, per transport and overlap, rounds interleaved.
 
     An idle compiled graph's actors poll their channels (a core each): only the graph of the
@@ -285,7 +288,9 @@ def engine_step_table(batch_size: int, budget: int, steps: int, rounds: int) -> 
     from ddtree_serve.serve.config import ServeConfig
     from ddtree_serve.serve.group import start_workers
 
-    engine_config = EngineConfig(budget=budget, max_num_seqs=batch_size, max_seq_len=512)
+    engine_config = EngineConfig(
+        budget=budget, max_num_seqs=batch_size, max_seq_len=512, device=device, dtype=dtype
+    )
     settings = engine_config.to_settings()
     tokenizer = load_tokenizer(target_dir(engine_config))
     configurations = [
@@ -296,7 +301,8 @@ def engine_step_table(batch_size: int, budget: int, steps: int, rounds: int) -> 
         ("compiled_graph+overlap", "actors", True, True),
     ]
     workers = {}
-    small = {"num_cpus": 0.1}
+    # On one GPU every configuration's drafter and target share it (a tenth each).
+    small = {"num_cpus": 0.1, "num_gpus": 0.1 if device.startswith("cuda") else 0.0}
     for name, placement, _, _ in configurations:
         config = ServeConfig(
             engine=engine_config,
@@ -349,17 +355,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="Timed engine steps per round.")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds per transport.")
     parser.add_argument("--skip-engine", action="store_true", help="Only the echo hops.")
+    parser.add_argument("--device", default="cpu", help="Model device of the engine steps (default: cpu).")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="(default: float32)"
+    )
+    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray cluster (default: 2).")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     payloads = {b: record_payload(b, args.budget) for b in args.batch_sizes}
     ray_dir = tempfile.mkdtemp(prefix="ddtree-hops-")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=ray_dir)
+    num_gpus = 1 if args.device.startswith("cuda") else 0
+    ray.init(
+        address="local", num_cpus=args.num_cpus, num_gpus=num_gpus, include_dashboard=False, _temp_dir=ray_dir
+    )
     try:
         tables = {b: hop_table(p, args.repeats) for b, p in payloads.items()}
         if not args.skip_engine:
             for b in args.batch_sizes:
-                tables[b].update(engine_step_table(b, args.budget, args.steps, args.rounds))
+                tables[b].update(
+                    engine_step_table(b, args.budget, args.steps, args.rounds, args.device, args.dtype)
+                )
         chunks = serve_chunk_table(args.chunks)
     finally:
         ray.shutdown()

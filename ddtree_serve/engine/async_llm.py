@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -55,11 +56,30 @@ class _Stream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.items: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Thread-safe: deliver on the caller's loop."""
-        self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        self.loop.call_soon_threadsafe(self._push, item)
+
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def next(self) -> RequestOutput | BaseException:
+        """The next output or error. Outputs are cumulative: when the caller fell behind (a
+        slow client, a busy loop), the newest of those queued stands for them all, one chunk
+        instead of several; an error still comes after the outputs before it."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        while isinstance(item, RequestOutput) and not item.finished and self._items:
+            if isinstance(self._items[0], BaseException):
+                break
+            item = self._items.popleft()
+        return item
 
 
 class AsyncLLM:
@@ -99,7 +119,7 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                item = await stream.items.get()
+                item = await stream.next()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

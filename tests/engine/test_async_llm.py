@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -33,6 +34,38 @@ def test_stream_deltas_add_up_and_match_llm(client, make_pair_config, prompt_ids
     assert [t for o in outputs for t in o.delta_token_ids] == outputs[-1].token_ids
     llm = LLM.from_config(make_pair_config(mode="ddtree", budget=4, max_num_seqs=1))
     assert llm.generate([prompt_ids[0]], PARAMS)[0].token_ids == outputs[-1].token_ids
+
+
+def test_a_caller_that_falls_behind_gets_the_queued_outputs_as_one_chunk(client, prompt_ids):
+    """A loop busy for a while (here: blocked) finds several steps' outputs queued; it reads
+    the newest, whose delta holds every token since the last chunk, and nothing is lost."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    steps_done = threading.Semaphore(0)
+    step = client.engine.step
+
+    def counted_step():
+        outputs = step()
+        steps_done.release()
+        return outputs
+
+    client.engine.step = counted_step
+
+    async def collect():
+        outputs = []
+        async for output in client.generate_stream(prompt_ids[0], params, request_id="slow"):
+            outputs.append(output)
+            if len(outputs) == 1:
+                for _ in range(3):  # the loop is blocked while three more steps finish
+                    assert steps_done.acquire(timeout=60)
+                time.sleep(0.2)  # their outputs reach the loop's queue once it runs again
+        return outputs
+
+    outputs = asyncio.run(collect())
+    num_steps = outputs[-1].stats.steps
+    assert len(outputs) < num_steps + 1  # one chunk per step (and the prefill) without merging
+    assert len(outputs[1].delta_token_ids) > len(outputs[0].delta_token_ids)
+    assert [t for o in outputs for t in o.delta_token_ids] == outputs[-1].token_ids
+    assert len(outputs[-1].token_ids) == 24 and outputs[-1].finished
 
 
 def test_leaving_a_stream_early_aborts_and_queue_limit_raises(client, prompt_ids):
