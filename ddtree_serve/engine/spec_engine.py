@@ -195,6 +195,7 @@ class SpecEngine:
             with self.timer.stage(Stage.PREFILL):
                 self._prefill(scheduled.prefills)
         running = [r for r in scheduled.running if not r.finished]  # some stop at their first token
+        started = time.perf_counter()
         if running and self.overlap and self._drafter_in_sync:
             self._overlapped_step(running)
         elif running:
@@ -207,7 +208,10 @@ class SpecEngine:
                 verdict = self._verify(running, trees)
             with self.timer.stage(Stage.APPEND):
                 self._append(running, trees, verdict)
-        return self._postprocess(scheduled)
+        outputs = self._postprocess(scheduled)
+        if running and self.budget_policy is not None:
+            self.budget_policy.record_step_ms(1000.0 * (time.perf_counter() - started))
+        return outputs
 
     def _prefill(self, requests: list[Request]) -> None:
         """Cache the newcomers' prompts, take their first token and their drafter context."""

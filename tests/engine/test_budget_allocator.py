@@ -15,7 +15,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
     tree_prefix,
 )
-from ddtree_serve.engine.budget.allocator import shared_curve_rate
+from ddtree_serve.engine.budget.allocator import ceiling_rates
 from ddtree_serve.tree import build_ddtree, draft_topk
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
@@ -92,6 +92,22 @@ def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
     cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
     gate.record_curve([CONFIDENT, CONFIDENT])
     assert gate.ceiling([8, 8], cheap_drafter, FREE_BUILD, "padded") > 0
+
+
+def test_a_plain_streak_decides_again_at_its_probe_or_when_the_batch_changes():
+    """Without a draft the curve stands still: a plain streak over the same batch skips the
+    decision until its probe is due; a request joining or leaving decides at once."""
+    gate = DraftGate(probe_interval=4)
+    costly_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=200.0)
+    gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded")
+    gate.record_curve([CONFIDENT, CONFIDENT])
+    assert gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") == 0
+    cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
+    streak = [gate.ceiling([8, 8], cheap_drafter, FREE_BUILD, "padded") for _ in range(4)]
+    assert streak[:2] == [0, 0] and streak[-1] > 0  # the probe re-decided: drafting pays now
+    gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded")
+    assert gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") == 0
+    assert gate.ceiling([8, 8, 8], cheap_drafter, FREE_BUILD, "padded") > 0
 
 
 def test_the_first_ceiling_is_the_widest_that_costs_a_few_plain_steps():
@@ -175,16 +191,23 @@ def test_a_plain_step_teaches_the_cost_curve_only():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_gates_shared_curve_rate_is_the_allocators(seed):
-    """The gate's per-step fast path gives what allocating every request the curve gives."""
+def test_the_gates_ceiling_rates_are_the_allocators(seed):
+    """The gate's one-pass rates of every ceiling are what allocating every request the curve,
+    capped at that ceiling, gives."""
     rng = np.random.default_rng(seed)
     tokens = np.array([1.0, 64.0, 4096.0])
     cost = CostCurve([1, 8], tokens, [[2.0, 4.0, 60.0], [3.0, 8.0, 90.0]], draft_ms=[0.5, 1.0])
     for _ in range(50):
         curve = rng.random(int(rng.integers(1, 20)))  # not even non-increasing: both must fix that
         caps = [int(c) for c in rng.integers(0, 25, size=int(rng.integers(1, 9)))]
+        ceilings = [1, 2, 4, 8, 16, 24]
+        draft_ms = rng.random(len(ceilings)) * 3.0
         for layout in ("padded", "packed"):
-            expected = allocate([curve] * len(caps), caps, cost, draft_ms=0.7, layout=layout).tokens_per_s
-            assert shared_curve_rate(curve, caps, cost, draft_ms=0.7, layout=layout) == pytest.approx(
-                expected
-            )
+            expected = [
+                allocate(
+                    [curve] * len(caps), [min(c, ceiling) for c in caps], cost, draft_ms=d, layout=layout
+                ).tokens_per_s
+                for ceiling, d in zip(ceilings, draft_ms, strict=True)
+            ]
+            rates = ceiling_rates(curve, caps, ceilings, cost, draft_ms=draft_ms, layout=layout)
+            np.testing.assert_allclose(rates, expected)

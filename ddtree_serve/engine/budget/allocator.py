@@ -75,28 +75,48 @@ def allocate(
     return _allocate_padded(probs, cost, draft_ms)
 
 
-def shared_curve_rate(
-    curve: np.ndarray, caps: Sequence[int], cost: StepCost, *, draft_ms: float, layout: TokenLayout
-) -> float:
-    """Best predicted tokens/s when every request's candidates follow one acceptance `curve`,
-    request i cut at `caps[i]`: `allocate([curve] * B, caps, ...).tokens_per_s`, without the
-    per-request work on the padded layout (the draft gate asks this of every ceiling, every step).
+def ceiling_rates(
+    curve: np.ndarray,
+    caps: Sequence[int],
+    ceilings: Sequence[int],
+    cost: StepCost,
+    *,
+    draft_ms: np.ndarray,
+    layout: TokenLayout,
+) -> np.ndarray:
+    """Best predicted tokens/s of each candidate ceiling when every request's candidates follow
+    one acceptance `curve`: for ceiling `c`, `allocate([curve] * B, [min(cap, c) for cap in caps],
+    draft_ms=draft_ms[j]).tokens_per_s`. `draft_ms[j]`: the drafter's call and the build at
+    ceiling j. The gate asks this every step, so on the padded layout it is one pass for all
+    ceilings: a width `w` within a ceiling gains the same accepted tokens under any larger one
+    (and costs the same forward), so only each ceiling's fixed cost and its widest width differ.
     """
+    draft_ms = np.asarray(draft_ms, dtype=np.float64)
     if layout == "packed":
-        return allocate([curve] * len(caps), caps, cost, draft_ms=draft_ms, layout=layout).tokens_per_s
+        return np.array(
+            [
+                allocate(
+                    [curve] * len(caps), [min(c, ceiling) for c in caps], cost, draft_ms=d, layout=layout
+                ).tokens_per_s
+                for ceiling, d in zip(ceilings, draft_ms, strict=True)
+            ]
+        )
     batch_size = len(caps)
     shared = _non_increasing(curve)
     lengths = np.minimum(np.maximum(np.asarray(caps, dtype=np.int64), 0), len(shared))  # [B]
     widths = np.arange(int(lengths.max(initial=0)) + 1)  # draft nodes of the widest tree
     cumulative = np.concatenate(([0.0], np.cumsum(shared)))
-    expected = batch_size + cumulative[np.minimum(widths[None, :], lengths[:, None])].sum(axis=0)
-    step_ms = draft_ms + cost.verify_ms(batch_size, batch_size * (widths + 1))
-    return float(1000.0 * np.max(expected / step_ms))
+    expected = batch_size + cumulative[np.minimum(widths[None, :], lengths[:, None])].sum(axis=0)  # [W]
+    forward_ms = cost.verify_ms(batch_size, batch_size * (widths + 1))  # [W]
+    within = widths[None, :] <= np.asarray(ceilings, dtype=np.int64)[:, None]  # [C, W]
+    rates = np.where(within, expected / (draft_ms[:, None] + forward_ms), -np.inf)
+    return 1000.0 * rates.max(axis=1)
 
 
-def plain_decode_rate(batch_size: int, cost: StepCost) -> float:
-    """Tokens per second of a step that skips the drafter: one token per request, root-only trees."""
-    return 1000.0 * batch_size / float(cost.verify_ms(batch_size, batch_size))
+def plain_decode_rate(batch_size: int, cost: StepCost, overhead_ms: float = 0.0) -> float:
+    """Tokens per second of a step that skips the drafter: one token per request, root-only trees.
+    `overhead_ms`: the step's host work besides the verify call."""
+    return 1000.0 * batch_size / (float(cost.verify_ms(batch_size, batch_size)) + overhead_ms)
 
 
 def _allocate_packed(probs: list[np.ndarray], cost: StepCost, draft_ms: float) -> Allocation:

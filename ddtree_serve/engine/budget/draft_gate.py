@@ -19,9 +19,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ddtree_serve.engine.budget.allocator import StepCost, TokenLayout, plain_decode_rate, shared_curve_rate
+from ddtree_serve.engine.budget.allocator import StepCost, TokenLayout, ceiling_rates, plain_decode_rate
 from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.measure import powers_of_two_upto
+from ddtree_serve.engine.budget.step_overhead import StepOverhead
 
 FIRST_STEP_PLAIN_STEPS = 4.0
 """What the first drafted step may cost, in plain decode steps, before anything is known."""
@@ -46,18 +47,38 @@ class DraftGate:
         # a loss (a probe pays the drafter's catch-up on every context it skipped), up to 16x.
         self.plain_probe_interval = probe_interval
         self.probing = False  # the last ceiling is a probe after plain steps
+        # (batch size, cap) of the plain streak under way, None while drafting: see `ceiling`.
+        self._plain_streak: tuple[int, int] | None = None
 
-    def ceiling(self, caps: Sequence[int], cost: StepCost, build: BuildCost, layout: TokenLayout) -> int:
-        """Draft nodes per tree this step may build (0: decode plainly); counts toward a probe."""
+    def ceiling(
+        self,
+        caps: Sequence[int],
+        cost: StepCost,
+        build: BuildCost,
+        layout: TokenLayout,
+        overhead: StepOverhead | None = None,
+    ) -> int:
+        """Draft nodes per tree this step may build (0: decode plainly); counts toward a probe.
+
+        `overhead`: each kind of step's host work besides its priced parts (default: none)."""
+        overhead = overhead or StepOverhead()
         cap = max(caps)
         if cap <= 0:
             return 0
+        streak = (len(caps), cap)
+        if streak == self._plain_streak and self.num_narrow_steps < self.plain_probe_interval:
+            # A plain streak over the same batch decides again when its probe is due: without
+            # a draft the curve stands still and the costs barely move (one EMA step a step),
+            # and on a fast target the decision itself would cost a tenth of the plain step.
+            self.num_narrow_steps += 1
+            self.probing = False
+            return 0
         clear_loss = False  # drafting predicted well below plain decoding
         if self.curve is None:
-            best = drafted = self._first_ceiling(caps, cost, build)
+            best = drafted = self._first_ceiling(caps, cost, build, overhead)
         else:
-            drafted, drafted_rate = self._best_drafted_ceiling(caps, cost, build, layout)
-            plain_rate = plain_decode_rate(len(caps), cost)
+            drafted, drafted_rate = self._best_drafted_ceiling(caps, cost, build, layout, overhead)
+            plain_rate = plain_decode_rate(len(caps), cost, overhead.plain_ms)
             best = drafted if drafted_rate > plain_rate else 0
             clear_loss = drafted_rate < CLEAR_LOSS * plain_rate
         chosen = best
@@ -70,32 +91,35 @@ class DraftGate:
         elif chosen > 0:
             self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
         self.num_narrow_steps = 0 if chosen != best or chosen == cap else self.num_narrow_steps + 1
+        self._plain_streak = streak if chosen == 0 else None
         return chosen
 
     def _best_drafted_ceiling(
-        self, caps: Sequence[int], cost: StepCost, build: BuildCost, layout: TokenLayout
+        self,
+        caps: Sequence[int],
+        cost: StepCost,
+        build: BuildCost,
+        layout: TokenLayout,
+        overhead: StepOverhead,
     ) -> tuple[int, float]:
         """The drafting ceiling with the best predicted rate, and that rate."""
         assert self.curve is not None
-        batch_size, cap = len(caps), max(caps)
-        draft_ms = cost.draft_ms(batch_size)
-        best, best_rate = cap, 0.0
-        for candidate in powers_of_two_upto(cap):
-            capped = [min(c, candidate) for c in caps]
-            step_draft_ms = draft_ms + float(build.ms(batch_size, sum(capped)))
-            rate = shared_curve_rate(self.curve, capped, cost, draft_ms=step_draft_ms, layout=layout)
-            if rate > best_rate:
-                best, best_rate = candidate, rate
-        return best, best_rate
+        batch_size = len(caps)
+        candidates = powers_of_two_upto(max(caps))
+        nodes_built = np.minimum(np.asarray(caps)[None, :], np.asarray(candidates)[:, None]).sum(axis=1)
+        draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms + build.ms(batch_size, nodes_built)
+        rates = ceiling_rates(self.curve, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
+        best = int(np.argmax(rates))  # the first (narrowest) of equal rates
+        return candidates[best], float(rates[best])
 
     @staticmethod
-    def _first_ceiling(caps: Sequence[int], cost: StepCost, build: BuildCost) -> int:
+    def _first_ceiling(caps: Sequence[int], cost: StepCost, build: BuildCost, overhead: StepOverhead) -> int:
         """The first step knows no acceptance: the widest ceiling that costs at most
         `FIRST_STEP_PLAIN_STEPS` plain steps (at least 1), so learning the curve costs little
         where wide trees are dear (a CPU under load) and sees the whole cap where they are not."""
         batch_size = len(caps)
-        plain_ms = float(cost.verify_ms(batch_size, batch_size))
-        draft_ms = cost.draft_ms(batch_size)
+        plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
+        draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms
         affordable = 1
         for candidate in powers_of_two_upto(max(caps)):
             capped = [min(c, candidate) for c in caps]

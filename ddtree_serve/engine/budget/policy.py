@@ -9,6 +9,8 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
     record_verify_ms(ms)          after the verify call
     observe(trees, accepted)      the verified trees and their accepted nodes: calibration,
                                   cost refresh and the step's `BudgetStep` record
+    record_step_ms(ms)            the whole step's wall time: what its priced parts left out
+                                  (`step_overhead.py`)
 The trees verified are `tree_prefix(tree, n)` of the ones built, so the choice reads drafter
 outputs only and verification stays lossless.
 """
@@ -23,6 +25,7 @@ from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
 from ddtree_serve.engine.budget.draft_gate import DraftGate
+from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.tree import DraftTree
 
 
@@ -69,6 +72,8 @@ class AdaptiveBudget:
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.gate = gate or DraftGate()
         self.layout = layout  # the engine pads every tree of a batch to the widest
+        self.overhead = StepOverhead()
+        self._priced_ms: float | None = None  # the last observed step's priced parts, measured
         self.last_step: BudgetStep | None = None
         self._ceiling = 0
         self._built_nodes = 0  # draft nodes of the trees `choose` saw (what the build made)
@@ -80,7 +85,7 @@ class AdaptiveBudget:
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
-        self._ceiling = self.gate.ceiling(caps, self.cost, self.build, self.layout)
+        self._ceiling = self.gate.ceiling(caps, self.cost, self.build, self.layout, self.overhead)
         return self._ceiling
 
     @property
@@ -111,6 +116,7 @@ class AdaptiveBudget:
         self.gate.record_curve(accept_probs)
         draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
         self._built_nodes = sum(len(p) for p in accept_probs)
+        draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
         return self._allocation
 
@@ -145,8 +151,17 @@ class AdaptiveBudget:
             accepted_per_request=tuple(len(nodes) for nodes in accepted_nodes),
             ceiling=self._ceiling if drafted else 0,
         )
+        self._priced_ms = None
+        if not self.probing:  # a probe's drafter call is not timed (it catches up on context)
+            self._priced_ms = sum(ms for ms in (self._draft_ms, self._build_ms, self._verify_ms) if ms)
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         return self.last_step
+
+    def record_step_ms(self, step_ms: float) -> None:
+        """The observed step's wall time (after its prefills): teaches the step overhead."""
+        if self.last_step is not None and self._priced_ms is not None:
+            self.overhead.observe(self.last_step.drafted, step_ms - self._priced_ms)
+        self._priced_ms = None
 
 
 def tree_prefix(tree: DraftTree, num_draft_nodes: int) -> DraftTree:
