@@ -10,8 +10,9 @@ and the served / in-process throughput ratio.
     python bench/serve_load.py --target DIR --drafter DIR --concurrency 1 4 16 --max-tokens 64
     python bench/serve_load.py --device cuda --dtype bfloat16      # both actors on one GPU (0.5 each)
     python bench/serve_load.py --transport actor_calls compiled_graph --overlap off on
+    python bench/serve_load.py --stream-batching-interval-ms 0 50
 
-Each (transport, overlap) pair is its own application (speculation group) under its own route
+Each (transport, overlap, stream interval) is its own application (speculation group) under its own route
 prefix and gRPC application name, deployed in turn on the one cluster; `--repeats` sweeps
 interleave them, with the in-process engine measured next to each.
 
@@ -257,6 +258,11 @@ def stop_application(ray_dir: str) -> None:
     shutil.rmtree(ray_dir, ignore_errors=True)
 
 
+def _app_name(transport: str, overlap: bool, interval_ms: float) -> str:
+    name = f"{transport}-{'overlap' if overlap else 'serial'}"
+    return f"{name}-{interval_ms:g}ms" if interval_ms else name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -296,6 +302,13 @@ def main() -> None:
     parser.add_argument(
         "--overlap", nargs="+", default=["off"], choices=["off", "on"], help="placement.overlap values."
     )
+    parser.add_argument(
+        "--stream-batching-interval-ms",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="stream_batching_interval_ms values to compare (default: 0, a chunk per step).",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -310,12 +323,13 @@ def main() -> None:
         dtype=args.dtype,
     )
     # On one GPU the group's drafter and target actors share it (half each); on CPU they reserve none.
-    combos = [(t, o == "on") for t in args.transport for o in args.overlap]
+    intervals = args.stream_batching_interval_ms
+    combos = [(t, o == "on", i) for t in args.transport for o in args.overlap for i in intervals]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": _free_port()}, "grpc": {"port": _free_port()}}
     configs = [
         ServeConfig(
-            app_name=f"{transport}-{'overlap' if overlap else 'serial'}",
+            app_name=_app_name(transport, overlap, interval),
             engine=engine_config,
             observability={"metrics": False},  # type: ignore[arg-type]
             placement={  # type: ignore[arg-type]
@@ -327,9 +341,10 @@ def main() -> None:
                 "target": {"num_cpus": 0.1, "num_gpus": gpu_share},
             },
             ingress={"num_cpus": 0.1},  # type: ignore[arg-type]
+            stream_batching_interval_ms=interval,
             **ports,  # type: ignore[arg-type]
         )
-        for transport, overlap in combos
+        for transport, overlap, interval in combos
     ]
     ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
     start_cluster(configs[0], ray_dir)

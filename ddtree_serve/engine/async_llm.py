@@ -67,19 +67,33 @@ class _Stream:
         self._items.append(item)
         self._ready.set()
 
-    async def next(self) -> RequestOutput | BaseException:
+    async def next(self, not_before: float = 0.0) -> RequestOutput | BaseException:
         """The next output or error. Outputs are cumulative: when the caller fell behind (a
         slow client, a busy loop), the newest of those queued stands for them all, one chunk
-        instead of several; an error still comes after the outputs before it."""
-        while not self._items:
+        instead of several; an error still comes after the outputs before it.
+
+        `not_before` (the loop's clock): hold outputs back until then, so a stream sends at
+        most one chunk per interval (Ray Serve LLM's `stream_batching_interval_ms`); a
+        finished output or an error is not held back."""
+        while not self._items or (self.loop.time() < not_before and not self._final_queued()):
             self._ready.clear()
-            await self._ready.wait()
+            if not self._items:
+                await self._ready.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._ready.wait(), not_before - self.loop.time())
+            except TimeoutError:
+                break
         item = self._items.popleft()
         while isinstance(item, RequestOutput) and not item.finished and self._items:
             if isinstance(self._items[0], BaseException):
                 break
             item = self._items.popleft()
         return item
+
+    def _final_queued(self) -> bool:
+        last = self._items[-1]
+        return isinstance(last, BaseException) or last.finished
 
 
 class AsyncLLM:
@@ -104,8 +118,12 @@ class AsyncLLM:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        interval_s: float = 0.0,
     ) -> AsyncIterator[CompletionOutput]:
         """Yield the request's output after every step that changed it; the last is finished.
+
+        `interval_s` > 0: at most one output per interval after the first (each holds every
+        token since the previous one); the finished output comes as soon as it is ready.
 
         On first iteration it raises `QueueFullError` when `max_queue_len` requests already wait
         and ValueError for an invalid request; `EngineDeadError` whenever the engine stops.
@@ -118,8 +136,11 @@ class AsyncLLM:
         detokenizer = Detokenizer(self.tokenizer, params.stop)
         finished = False
         try:
+            not_before = 0.0
             while not finished:
-                item = await stream.next()
+                item = await stream.next(not_before)
+                if interval_s > 0:
+                    not_before = stream.loop.time() + interval_s
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

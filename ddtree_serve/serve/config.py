@@ -369,6 +369,14 @@ class ServeConfig(_Strict):
         description="Where Serve runs the HTTP/gRPC proxies (Serve's `proxy_location`). A proxy "
         "on a node that goes away takes its open connections with it.",
     )
+    stream_batching_interval_ms: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Ray Serve LLM's setting of that name: a streamed request sends at most one chunk "
+        "per interval after its first (each with every token since the last); 0 = one per step. Each "
+        "chunk costs the Coordinator's event loop (Serve's stream protocol), which shares a process with "
+        "the engine loop: under high concurrency an interval frees it.",
+    )
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig, description="Telemetry.")
 
     @model_validator(mode="after")

@@ -222,8 +222,9 @@ class Coordinator:
             request.request_id, engine_id, request.trace_carrier, len(prompt_ids)
         ) as span:
             try:
+                interval_s = self._config.stream_batching_interval_ms / 1e3
                 outputs = self._load.watch(
-                    engine_id, llm.generate_stream(prompt_ids, request.sampling, engine_id)
+                    engine_id, llm.generate_stream(prompt_ids, request.sampling, engine_id, interval_s)
                 )
                 async with aclosing(outputs):  # leaving early aborts the engine request now
                     async for output in outputs:

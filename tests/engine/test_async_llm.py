@@ -68,6 +68,21 @@ def test_a_caller_that_falls_behind_gets_the_queued_outputs_as_one_chunk(client,
     assert len(outputs[-1].token_ids) == 24 and outputs[-1].finished
 
 
+def test_a_stream_interval_batches_chunks_but_never_holds_back_the_end(client, prompt_ids):
+    """With an interval longer than the request, the stream is its first chunk and its finished
+    one, which comes when the request ends (not when the interval does)."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def collect():
+        stream = client.generate_stream(prompt_ids[0], params, request_id="batched", interval_s=600.0)
+        return [o async for o in stream]
+
+    outputs = asyncio.run(asyncio.wait_for(collect(), timeout=120))
+    assert len(outputs) == 2 and outputs[-1].finished and outputs[-1].stats.steps > 2
+    assert [t for o in outputs for t in o.delta_token_ids] == outputs[-1].token_ids
+    assert "".join(o.delta_text for o in outputs) == outputs[-1].text
+
+
 def test_leaving_a_stream_early_aborts_and_queue_limit_raises(client, prompt_ids):
     long = SamplingParams(max_tokens=200, ignore_eos=True)
 
