@@ -33,6 +33,9 @@ _BATCH_KEYS = ("batch", "batch_size", "batch_sizes")
 _TOKEN_KEYS = ("tokens", "num_tokens", "n", "N")
 _MS_KEYS = ("ms", "step_ms", "time_ms", "latency_ms", "ms_per_layer")
 
+MAX_STEP_RATIO = 2.0
+"""The most one live timing may count as, against its prediction, when the curve learns it."""
+
 
 class CostCurve:
     """Predicted verify and draft milliseconds; refreshed in place by live timings."""
@@ -73,8 +76,11 @@ class CostCurve:
         return float(_interp_extrapolate(np.float64(batch_size), self.batch_sizes, self.draft_grid_ms))
 
     def observe_verify(self, batch_size: int, target_tokens: int, measured_ms: float) -> None:
-        """Move the grid points around (batch, tokens) toward the measured/predicted ratio."""
+        """Move the grid points around (batch, tokens) toward the measured/predicted ratio; one
+        step moves them by at most `MAX_STEP_RATIO` (a CUDA graph captured mid-run, a process
+        descheduled: an outlier must not price a width out for the rest of the run)."""
         ratio = measured_ms / float(self.verify_ms(batch_size, target_tokens))
+        ratio = min(max(ratio, 1.0 / MAX_STEP_RATIO), MAX_STEP_RATIO)
         (b0, b1), (wb0, wb1) = _bracket(self.batch_sizes, batch_size)
         (t0, t1), (wt0, wt1) = _bracket(self.token_counts, target_tokens)
         for b, wb in ((b0, wb0), (b1, wb1)):
@@ -82,6 +88,10 @@ class CostCurve:
                 self.grid_ms[b, t] *= 1.0 + self.ema_weight * wb * wt * (ratio - 1.0)
 
     def observe_draft(self, batch_size: int, measured_ms: float) -> None:
+        """Move the drafter's cost at this batch toward the measurement, bounded like a verify."""
+        predicted = self.draft_ms(batch_size)
+        if predicted > 0:
+            measured_ms = min(max(measured_ms, predicted / MAX_STEP_RATIO), predicted * MAX_STEP_RATIO)
         (b0, b1), (wb0, wb1) = _bracket(self.batch_sizes, batch_size)
         for b, wb in ((b0, wb0), (b1, wb1)):
             self.draft_grid_ms[b] += self.ema_weight * wb * (measured_ms - self.draft_grid_ms[b])
