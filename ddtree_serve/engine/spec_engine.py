@@ -130,10 +130,11 @@ class SpecEngine:
         probe = ModelCostProbe(self.target, self.drafter, top_k=min(self.settings.budget, self.vocab_size))
         batch_sizes = powers_of_two_upto(self.settings.max_num_seqs)
         build = measure_build_cost(probe, batch_sizes, powers_of_two_upto(self.settings.budget))
+        buckets = self.settings.verify_token_buckets
         if self.settings.cost_curve is not None:
-            return AdaptiveBudget(load_cost_curve(self.settings.cost_curve), build)
+            return AdaptiveBudget(load_cost_curve(self.settings.cost_curve), build, token_buckets=buckets)
         cost = measure_cost_curve(probe, batch_sizes, powers_of_two_upto(self.max_tree_tokens))
-        return AdaptiveBudget(cost, build)
+        return AdaptiveBudget(cost, build, token_buckets=buckets)
 
     # ----------------------------------------------------------------------------- requests
 

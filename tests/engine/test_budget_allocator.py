@@ -15,7 +15,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
     tree_prefix,
 )
-from ddtree_serve.engine.budget.allocator import ceiling_rates
+from ddtree_serve.engine.budget.allocator import Allocation, ceiling_rates, fill_to_bucket
 from ddtree_serve.tree import build_ddtree, draft_topk
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
@@ -63,6 +63,18 @@ def test_caps_are_respected():
             [CONFIDENT, CONFIDENT, UNSURE], [3, 0, 5], free_nodes, draft_ms=0.0, layout=layout
         )
         assert allocation.num_nodes == (3, 0, 5)
+
+
+def test_a_width_fills_up_to_its_graph_bucket_within_each_cap():
+    """A graphed verify pads 6 tree tokens to its 8-token bucket: the 7 draft nodes it runs
+    anyway go to every request whose tree and cap have them."""
+    allocation = Allocation(num_nodes=(5, 2, 0), expected_accepted=(0.0, 0.0, 0.0), step_ms=3.0)
+    filled = fill_to_bucket(allocation, [CONFIDENT, CONFIDENT, UNSURE], [8, 3, 8], (1, 2, 4, 8, 9, 16))
+    assert filled.num_nodes == (7, 3, 7)
+    assert filled.expected_accepted[0] == pytest.approx(CONFIDENT[:7].sum())
+    assert filled.step_ms == allocation.step_ms
+    root_only = Allocation(num_nodes=(0, 0), expected_accepted=(0.0, 0.0), step_ms=1.0)
+    assert fill_to_bucket(root_only, [CONFIDENT, CONFIDENT], [8, 8], (1, 2, 4, 8)) is root_only
 
 
 def test_expensive_nodes_mean_root_only_trees():

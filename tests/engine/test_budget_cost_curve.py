@@ -36,12 +36,12 @@ def test_live_timings_pull_the_curve_toward_what_was_measured():
 
 def test_one_outlier_timing_moves_the_curve_a_bounded_step():
     """A CUDA graph captured mid-run makes one verify and one draft 100x slow: the curve moves
-    as if they had been twice their prediction, not a hundred times."""
+    as if they had been four times their prediction, not a hundred times."""
     curve = grid_curve()
     curve.observe_verify(1, 16, 400.0)
     curve.observe_draft(4, 200.0)
-    assert float(curve.verify_ms(1, 16)) == pytest.approx(4.0 * (1 + curve.ema_weight))
-    assert curve.draft_ms(4) == pytest.approx(2.0 * (1 + curve.ema_weight))
+    assert float(curve.verify_ms(1, 16)) == pytest.approx(4.0 * (1 + 3 * curve.ema_weight))
+    assert curve.draft_ms(4) == pytest.approx(2.0 * (1 + 3 * curve.ema_weight))
 
 
 def test_loader_reads_the_grid_form_and_round_trips(tmp_path):

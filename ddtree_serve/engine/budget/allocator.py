@@ -147,6 +147,28 @@ def _allocate_padded(probs: list[np.ndarray], cost: StepCost, draft_ms: float) -
     return _allocation(probs, num_nodes, float(step_ms[best]))
 
 
+def fill_to_bucket(
+    allocation: Allocation,
+    accept_probs: Sequence[np.ndarray],
+    caps: Sequence[int],
+    token_buckets: Sequence[int],
+) -> Allocation:
+    """The padded allocation with its width filled up to the target's token bucket.
+
+    The verify pads every tree to the widest and a graphed target pads that to its bucket, so
+    nodes up to `bucket - 1` cost the forward nothing: each request gets them while its built
+    tree (`accept_probs[i]`) and its cap allow. The widths the engine verifies then fall on the
+    buckets (fewer distinct graphs to capture), and the step emits more tokens for the same time.
+    """
+    widest = max(allocation.num_nodes, default=0)
+    if widest == 0:
+        return allocation
+    bucket = next((b for b in token_buckets if b >= widest + 1), widest + 1)
+    probs = [_non_increasing(p)[: max(int(c), 0)] for p, c in zip(accept_probs, caps, strict=True)]
+    num_nodes = np.array([min(bucket - 1, len(p)) for p in probs])
+    return _allocation(probs, num_nodes, allocation.step_ms)
+
+
 def _allocation(probs: list[np.ndarray], num_nodes: np.ndarray, step_ms: float) -> Allocation:
     return Allocation(
         num_nodes=tuple(int(n) for n in num_nodes),

@@ -33,7 +33,7 @@ _BATCH_KEYS = ("batch", "batch_size", "batch_sizes")
 _TOKEN_KEYS = ("tokens", "num_tokens", "n", "N")
 _MS_KEYS = ("ms", "step_ms", "time_ms", "latency_ms", "ms_per_layer")
 
-MAX_STEP_RATIO = 2.0
+MAX_STEP_RATIO = 4.0
 """The most one live timing may count as, against its prediction, when the curve learns it."""
 
 

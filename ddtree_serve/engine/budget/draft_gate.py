@@ -28,6 +28,9 @@ FIRST_STEP_PLAIN_STEPS = 4.0
 """What the first drafted step may cost, in plain decode steps, before anything is known."""
 
 
+RECHECK_SHIFT = 0.05
+"""A plain streak decides again once its plain step's predicted price moved this much (a share)."""
+
 CLEAR_LOSS = 0.8
 """Probes back off only while the best drafting rate is predicted below this share of plain
 decoding's: near the boundary the curve's noise decides, and a probe is cheap to be wrong on."""
@@ -47,8 +50,10 @@ class DraftGate:
         # a loss (a probe pays the drafter's catch-up on every context it skipped), up to 16x.
         self.plain_probe_interval = probe_interval
         self.probing = False  # the last ceiling is a probe after plain steps
-        # (batch size, cap) of the plain streak under way, None while drafting: see `ceiling`.
+        # (batch size, cap) of the plain streak under way (None while drafting) and the plain
+        # step's price when it was decided: see `ceiling`.
         self._plain_streak: tuple[int, int] | None = None
+        self._plain_streak_ms = 0.0
 
     def ceiling(
         self,
@@ -65,11 +70,16 @@ class DraftGate:
         cap = max(caps)
         if cap <= 0:
             return 0
+        plain_ms = float(cost.verify_ms(len(caps), len(caps))) + overhead.plain_ms
         streak = (len(caps), cap)
-        if streak == self._plain_streak and self.num_narrow_steps < self.plain_probe_interval:
-            # A plain streak over the same batch decides again when its probe is due: without
-            # a draft the curve stands still and the costs barely move (one EMA step a step),
-            # and on a fast target the decision itself would cost a tenth of the plain step.
+        if (
+            streak == self._plain_streak
+            and self.num_narrow_steps < self.plain_probe_interval
+            and abs(plain_ms - self._plain_streak_ms) <= RECHECK_SHIFT * self._plain_streak_ms
+        ):
+            # A plain streak over the same batch decides again when its probe is due or its
+            # step's price moved: without a draft the curve stands still, and on a fast target
+            # the whole decision would cost a tenth of the plain step.
             self.num_narrow_steps += 1
             self.probing = False
             return 0
@@ -92,6 +102,7 @@ class DraftGate:
             self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
         self.num_narrow_steps = 0 if chosen != best or chosen == cap else self.num_narrow_steps + 1
         self._plain_streak = streak if chosen == 0 else None
+        self._plain_streak_ms = plain_ms
         return chosen
 
     def _best_drafted_ceiling(

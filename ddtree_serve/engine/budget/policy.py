@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree_serve.engine.budget.allocator import Allocation, TokenLayout, allocate
+from ddtree_serve.engine.budget.allocator import Allocation, TokenLayout, allocate, fill_to_bucket
 from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
@@ -65,13 +65,16 @@ class AdaptiveBudget:
         calibrator: AcceptanceCalibrator | None = None,
         gate: DraftGate | None = None,
         layout: TokenLayout = "padded",
+        token_buckets: Sequence[int] | None = None,
     ) -> None:
-        """`build`: the host build's cost (default: free, so only the forwards are priced)."""
+        """`build`: the host build's cost (default: free, so only the forwards are priced).
+        `token_buckets`: the tree tokens a graphed target pads each verify to (None: eager)."""
         self.cost = cost
         self.build = build or BuildCost(0.0, 0.0, 0.0)
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.gate = gate or DraftGate()
         self.layout = layout  # the engine pads every tree of a batch to the widest
+        self.token_buckets = None if token_buckets is None else tuple(token_buckets)
         self.overhead = StepOverhead()
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
         self.last_step: BudgetStep | None = None
@@ -117,7 +120,10 @@ class AdaptiveBudget:
         draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
         self._built_nodes = sum(len(p) for p in accept_probs)
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
-        self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
+        allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
+        if self.token_buckets is not None and self.layout == "padded":
+            allocation = fill_to_bucket(allocation, accept_probs, caps, self.token_buckets)
+        self._allocation = allocation
         return self._allocation
 
     def observe(self, trees: Sequence[DraftTree], accepted_nodes: Sequence[Sequence[int]]) -> BudgetStep:
