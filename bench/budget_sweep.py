@@ -443,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.simulate_cost is None:
         rows, traces = run_live(args)
+        args.traces.parent.mkdir(parents=True, exist_ok=True)
         args.traces.write_text(json.dumps([t.as_json() for t in traces]) + "\n")
         title, stem = (
             f"Budget sweep, {args.device} {args.dtype}, {args.max_tokens} new tokens",

@@ -289,7 +289,12 @@ def engine_step_table(
     from ddtree_serve.serve.group import start_workers
 
     engine_config = EngineConfig(
-        budget=budget, max_num_seqs=batch_size, max_seq_len=512, device=device, dtype=dtype
+        budget=budget,
+        max_num_seqs=batch_size,
+        max_seq_len=512,
+        device=device,
+        dtype=dtype,
+        record_timings=True,  # host wall time per stage: where a transport's milliseconds go
     )
     settings = engine_config.to_settings()
     tokenizer = load_tokenizer(target_dir(engine_config))
@@ -311,6 +316,7 @@ def engine_step_table(
         workers[name] = start_workers(config)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     samples: dict[str, list[float]] = {name: [] for name, *_ in configurations}
+    stage_ms: dict[str, dict[str, float]] = {name: {} for name, *_ in configurations}
     for round_index in range(rounds):
         for name, _, compiled, overlap in configurations:
             target, drafter = workers[name]
@@ -320,10 +326,14 @@ def engine_step_table(
             for i in range(batch_size):
                 engine.add_request(f"{round_index}-{i}", PROMPTS[i % len(PROMPTS)], params)
             engine.step()  # prefill + first step out of the figure
+            engine.timer.reset()
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             samples[name].append(1e3 * (time.perf_counter() - start) / steps)
+            for stage, seconds in engine.timer.seconds.items():
+                total = stage_ms[name].get(stage, 0.0) + 1e3 * seconds / steps / rounds
+                stage_ms[name][stage] = total
             for i in range(batch_size):
                 engine.abort_request(f"{round_index}-{i}")
             engine.step()
@@ -333,7 +343,11 @@ def engine_step_table(
         for worker in (target, drafter):
             if hasattr(worker, "actor"):
                 ray.kill(worker.actor)
-    return {f"engine step: {name}": statistics.median(values) for name, values in samples.items()}
+    figures = {f"engine step: {name}": statistics.median(values) for name, values in samples.items()}
+    for name, stages in stage_ms.items():
+        for stage, ms in stages.items():
+            figures[f"  {name}: {stage}"] = ms
+    return figures
 
 
 def _free_port() -> int:

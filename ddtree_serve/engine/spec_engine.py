@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from ddtree_serve.engine.budget import (
     AdaptiveBudget,
     ModelCostProbe,
+    buckets_upto,
     load_cost_curve,
     measure_build_cost,
     measure_cost_curve,
@@ -57,6 +58,7 @@ from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.stop import StopChecker
 from ddtree_serve.engine.timing import Stage, StageTimer
 from ddtree_serve.engine.tree_builder import BuiltTrees, TreeBuilder, build_host_trees, root_only_trees
+from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS
 from ddtree_serve.tree import build_verify_batch
 
 logger = logging.getLogger(__name__)
@@ -128,12 +130,18 @@ class SpecEngine:
         if self.settings.mode != "ddtree" or self.drafter is None:
             raise ValueError("budget_policy 'adaptive' needs mode 'ddtree'")
         probe = ModelCostProbe(self.target, self.drafter, top_k=min(self.settings.budget, self.vocab_size))
-        batch_sizes = powers_of_two_upto(self.settings.max_num_seqs)
-        build = measure_build_cost(probe, batch_sizes, powers_of_two_upto(self.settings.budget))
         buckets = self.settings.verify_token_buckets
+        batch_sizes = powers_of_two_upto(self.settings.max_num_seqs)
+        tree_tokens = powers_of_two_upto(self.max_tree_tokens)
+        if buckets is not None:
+            # A graphed target: calibrate at its graphs' own buckets, which captures now every
+            # graph a step can meet (one captured mid-run costs a dozen plain steps).
+            batch_sizes = buckets_upto(BATCH_BUCKETS, self.settings.max_num_seqs)
+            tree_tokens = buckets_upto(buckets, self.max_tree_tokens)
+        build = measure_build_cost(probe, batch_sizes, powers_of_two_upto(self.settings.budget))
         if self.settings.cost_curve is not None:
             return AdaptiveBudget(load_cost_curve(self.settings.cost_curve), build, token_buckets=buckets)
-        cost = measure_cost_curve(probe, batch_sizes, powers_of_two_upto(self.max_tree_tokens))
+        cost = measure_cost_curve(probe, batch_sizes, tree_tokens)
         return AdaptiveBudget(cost, build, token_buckets=buckets)
 
     # ----------------------------------------------------------------------------- requests

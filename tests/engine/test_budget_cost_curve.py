@@ -6,7 +6,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddtree_serve.engine.budget import CostCurve, load_cost_curve, measure_cost_curve, powers_of_two_upto
+from ddtree_serve.engine.budget import (
+    CostCurve,
+    buckets_upto,
+    load_cost_curve,
+    measure_cost_curve,
+    powers_of_two_upto,
+)
 
 
 def grid_curve() -> CostCurve:
@@ -127,6 +133,11 @@ def test_default_buckets_end_at_the_limit():
     assert powers_of_two_upto(33) == [1, 2, 4, 8, 16, 32, 33]
     assert powers_of_two_upto(8) == [1, 2, 4, 8]
     assert powers_of_two_upto(1) == [1]
+
+
+def test_a_graphed_targets_calibration_points_are_its_buckets():
+    assert buckets_upto((1, 2, 4, 8, 9, 16, 17, 32, 33, 48, 64, 65), 33) == [1, 2, 4, 8, 9, 16, 17, 32, 33]
+    assert buckets_upto((1, 2, 4, 8, 16, 24, 32), 20) == [1, 2, 4, 8, 16, 20]
 
 
 def test_loader_reads_the_kimi_slice_benchmark_file_as_a_whole_forward():

@@ -155,6 +155,11 @@ def _greedy(batch_size: int) -> SamplingBatch:
     )
 
 
+def buckets_upto(buckets: Sequence[int], limit: int) -> list[int]:
+    """The buckets below `limit`, then `limit` itself: a graphed target's calibration points."""
+    return [*(b for b in buckets if b < limit), limit]
+
+
 def powers_of_two_upto(limit: int) -> list[int]:
     """1, 2, 4, ... below `limit`, then `limit` itself: the default calibration buckets."""
     values = [1 << i for i in range(limit.bit_length()) if 1 << i < limit]
