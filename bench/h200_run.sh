@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The H200 runs behind the README's GPU tables, as one device call.
+#
+# The GPU image has torch, triton and grpcio but not Ray: `python bench/gpu_site.py` packs the
+# serving stack into .gpu-wheels/site.tar.xz, which travels with the call (carry it). Each stage
+# writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
+# out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
+# graph overlap (default: nvidia budget hops serve).
+#
+#   bash bench/h200_run.sh budget hops
+set -uo pipefail
+OUT=${OUT:-bench/out/h200}
+mkdir -p "$OUT" /tmp/site
+tar -xJf .gpu-wheels/site.tar.xz -C /tmp/site
+export PYTHONPATH=.:/tmp/site PATH="/tmp/site/bin:$PATH" RAY_AUTH_MODE=disabled
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(nvidia budget hops serve)
+
+run() {  # run STAGE TIMEOUT_S COMMAND...: time-bounded, logged, never stops the others
+  local stage=$1 limit=$2
+  shift 2
+  echo "== $stage: $*" | tee -a "$OUT/stages.log"
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$stage.log" 2>&1
+  echo "== $stage: rc=$? in $((SECONDS - start)) s" | tee -a "$OUT/stages.log"
+  tail -n 40 "$OUT/$stage.log"
+}
+
+for stage in "${STAGES[@]}"; do
+  case $stage in
+    nvidia) run nvidia 20 nvidia-smi ;;
+    budget) run budget 200 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
+      --max-tokens 64 --out-dir /tmp/budget --traces /tmp/budget/budget_traces_cuda.json
+      cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png "$OUT/" ;;
+    hops) run hops 200 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8 \
+      --batch-sizes 1 16 64 --repeats 100 --chunks 100 --steps 20 --rounds 1 ;;
+    serve) run serve 300 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --transport actor_calls compiled_graph --stream-batching-interval-ms 0 50 --concurrency 1 4 16 64 ;;
+    graph) run graph 200 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --transport compiled_graph --stream-batching-interval-ms 0 50 --concurrency 1 4 16 64 ;;
+    overlap) run overlap 420 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --transport actor_calls compiled_graph --overlap off on --concurrency 1 4 16 64 ;;
+    budget256) run budget256 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
+      --max-tokens 256 --max-seq-len 1024 --out-dir /tmp/budget256 --traces /tmp/budget256/traces.json
+      cp /tmp/budget256/budget_sweep.png "$OUT/budget256_sweep.png" ;;
+    *) echo "unknown stage $stage" >&2 ;;
+  esac
+done
