@@ -15,7 +15,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
     tree_prefix,
 )
-from ddtree_serve.engine.budget.allocator import Allocation, ceiling_rates, fill_to_bucket
+from ddtree_serve.engine.budget.allocator import allocate_padded_rows, ceiling_rates
 from ddtree_serve.tree import build_ddtree, draft_topk
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
@@ -65,16 +65,42 @@ def test_caps_are_respected():
         assert allocation.num_nodes == (3, 0, 5)
 
 
+def padded_rows(probs: list[np.ndarray], caps: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.zeros((len(probs), max(len(p) for p in probs)))
+    for i, p in enumerate(probs):
+        rows[i, : len(p)] = p
+    return rows, np.minimum([len(p) for p in probs], caps)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_engines_matrix_allocation_is_the_padded_allocation(seed):
+    rng = np.random.default_rng(seed)
+    cost = linear_curve(fixed_ms=2.0, per_token_ms=0.05, draft_ms=0.5)
+    for _ in range(50):
+        probs = [rng.random(int(rng.integers(0, 12))) for _ in range(int(rng.integers(1, 7)))]
+        probs[0] = rng.random(int(rng.integers(1, 12)))  # at least one node somewhere
+        caps = [int(c) for c in rng.integers(0, 14, size=len(probs))]
+        expected = allocate(probs, caps, cost, draft_ms=0.7, layout="padded")
+        got = allocate_padded_rows(*padded_rows(probs, caps), cost, draft_ms=0.7)
+        assert got.num_nodes == expected.num_nodes
+        np.testing.assert_allclose(got.expected_accepted, expected.expected_accepted)
+        assert got.step_ms == pytest.approx(expected.step_ms)
+
+
 def test_a_width_fills_up_to_its_graph_bucket_within_each_cap():
-    """A graphed verify pads 6 tree tokens to its 8-token bucket: the 7 draft nodes it runs
+    """A graphed verify pads 4 tree tokens to its 8-token bucket: the 7 draft nodes it runs
     anyway go to every request whose tree and cap have them."""
-    allocation = Allocation(num_nodes=(5, 2, 0), expected_accepted=(0.0, 0.0, 0.0), step_ms=3.0)
-    filled = fill_to_bucket(allocation, [CONFIDENT, CONFIDENT, UNSURE], [8, 3, 8], (1, 2, 4, 8, 9, 16))
+    cost = linear_curve(fixed_ms=2.0, per_token_ms=0.2)  # the allocator alone stops at 3
+    probs, caps = [CONFIDENT, CONFIDENT, UNSURE], [8, 3, 8]
+    plain = allocate_padded_rows(*padded_rows(probs, caps), cost, draft_ms=0.0)
+    filled = allocate_padded_rows(*padded_rows(probs, caps), cost, draft_ms=0.0, token_buckets=(1, 2, 8))
+    assert plain.num_nodes == (3, 3, 3)
     assert filled.num_nodes == (7, 3, 7)
     assert filled.expected_accepted[0] == pytest.approx(CONFIDENT[:7].sum())
-    assert filled.step_ms == allocation.step_ms
-    root_only = Allocation(num_nodes=(0, 0), expected_accepted=(0.0, 0.0), step_ms=1.0)
-    assert fill_to_bucket(root_only, [CONFIDENT, CONFIDENT], [8, 8], (1, 2, 4, 8)) is root_only
+    assert filled.step_ms == plain.step_ms  # the forward the bucket runs anyway
+    costly = linear_curve(fixed_ms=2.0, per_token_ms=100.0)
+    root_only = allocate_padded_rows(*padded_rows(probs, caps), costly, draft_ms=0.0, token_buckets=(1, 2, 4))
+    assert root_only.num_nodes == (0, 0, 0)
 
 
 def test_expensive_nodes_mean_root_only_trees():

@@ -147,26 +147,42 @@ def _allocate_padded(probs: list[np.ndarray], cost: StepCost, draft_ms: float) -
     return _allocation(probs, num_nodes, float(step_ms[best]))
 
 
-def fill_to_bucket(
-    allocation: Allocation,
-    accept_probs: Sequence[np.ndarray],
-    caps: Sequence[int],
-    token_buckets: Sequence[int],
+def allocate_padded_rows(
+    probs: np.ndarray,
+    lengths: np.ndarray,
+    cost: StepCost,
+    *,
+    draft_ms: float,
+    token_buckets: Sequence[int] | None = None,
 ) -> Allocation:
-    """The padded allocation with its width filled up to the target's token bucket.
+    """`allocate(..., layout="padded")` for a batch held as one matrix: the engine's per-step
+    path, without per-request work. `probs [B, W]`: each request's calibrated acceptance
+    probabilities in best-first order, zero past its `lengths[b]` usable nodes (its built
+    tree, cut at its cap).
 
-    The verify pads every tree to the widest and a graphed target pads that to its bucket, so
-    nodes up to `bucket - 1` cost the forward nothing: each request gets them while its built
-    tree (`accept_probs[i]`) and its cap allow. The widths the engine verifies then fall on the
-    buckets (fewer distinct graphs to capture), and the step emits more tokens for the same time.
+    `token_buckets`: the tree tokens a graphed verify pads to. Its padding runs nodes up to the
+    bucket anyway, so the chosen width is filled up to `bucket - 1` for every request whose
+    tree and cap have them: more tokens for the same forward, and the widths the engine
+    verifies fall on the buckets (fewer distinct graphs to capture).
     """
-    widest = max(allocation.num_nodes, default=0)
-    if widest == 0:
-        return allocation
-    bucket = next((b for b in token_buckets if b >= widest + 1), widest + 1)
-    probs = [_non_increasing(p)[: max(int(c), 0)] for p, c in zip(accept_probs, caps, strict=True)]
-    num_nodes = np.array([min(bucket - 1, len(p)) for p in probs])
-    return _allocation(probs, num_nodes, allocation.step_ms)
+    batch_size, width = probs.shape
+    columns = np.arange(width)
+    usable = columns[None, :] < lengths[:, None]
+    probs = np.where(usable, np.minimum.accumulate(np.clip(probs, 0.0, 1.0), axis=1), 0.0)
+    widths = np.arange(int(lengths.max(initial=0)) + 1)  # draft nodes of the widest tree
+    expected = batch_size + np.concatenate(([0.0], np.cumsum(probs.sum(axis=0))))[: len(widths)]
+    step_ms = draft_ms + cost.verify_ms(batch_size, batch_size * (widths + 1))
+    best = int(np.argmax(expected / step_ms))
+    step = float(step_ms[best])
+    if token_buckets is not None and best > 0:
+        best = next((b for b in token_buckets if b >= best + 1), best + 1) - 1
+    num_nodes = np.minimum(best, lengths)
+    cumulative = np.concatenate((np.zeros((batch_size, 1)), np.cumsum(probs, axis=1)), axis=1)
+    return Allocation(
+        num_nodes=tuple(int(n) for n in num_nodes),
+        expected_accepted=tuple(float(v) for v in cumulative[np.arange(batch_size), num_nodes]),
+        step_ms=step,
+    )
 
 
 def _allocation(probs: list[np.ndarray], num_nodes: np.ndarray, step_ms: float) -> Allocation:

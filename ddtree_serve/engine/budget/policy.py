@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree_serve.engine.budget.allocator import Allocation, TokenLayout, allocate, fill_to_bucket
+from ddtree_serve.engine.budget.allocator import Allocation, TokenLayout, allocate, allocate_padded_rows
 from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
@@ -77,6 +77,8 @@ class AdaptiveBudget:
         self.token_buckets = None if token_buckets is None else tuple(token_buckets)
         self.overhead = StepOverhead()
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
+        self._raw_probs = np.zeros(0)  # the last chosen step's drafter probabilities, all built nodes
+        self._built_lengths = np.zeros(0, dtype=np.int64)  # its draft nodes built per request
         self.last_step: BudgetStep | None = None
         self._ceiling = 0
         self._built_nodes = 0  # draft nodes of the trees `choose` saw (what the build made)
@@ -113,17 +115,24 @@ class AdaptiveBudget:
 
     def choose(self, trees: Sequence[DraftTree], caps: Sequence[int]) -> Allocation:
         """Draft nodes per request for trees built at their ceiling (`caps[i]` at most)."""
-        raw = [np.exp(tree.logws[1:]) for tree in trees]
-        calibrated = self.calibrator.calibrate(np.concatenate(raw))  # one call for the batch
-        accept_probs = np.split(calibrated, np.cumsum([len(r) for r in raw])[:-1])
+        lengths = np.array([tree.num_nodes - 1 for tree in trees])
+        raw = np.exp(np.concatenate([tree.logws[1:] for tree in trees]))
+        calibrated = self.calibrator.calibrate(raw)  # one call for the batch
+        self._raw_probs, self._built_lengths = raw, lengths  # what `observe` teaches the calibrator
+        accept_probs = np.split(calibrated, np.cumsum(lengths)[:-1])
         self.gate.record_curve(accept_probs)
         draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
-        self._built_nodes = sum(len(p) for p in accept_probs)
+        self._built_nodes = int(lengths.sum())
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
-        allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
-        if self.token_buckets is not None and self.layout == "padded":
-            allocation = fill_to_bucket(allocation, accept_probs, caps, self.token_buckets)
-        self._allocation = allocation
+        if self.layout == "padded":
+            rows = np.zeros((len(trees), int(lengths.max(initial=0))))
+            rows[np.arange(rows.shape[1])[None, :] < lengths[:, None]] = calibrated  # row-major
+            usable = np.minimum(lengths, np.maximum(np.asarray(caps), 0))
+            self._allocation = allocate_padded_rows(
+                rows, usable, self.cost, draft_ms=draft_ms, token_buckets=self.token_buckets
+            )
+        else:
+            self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
         return self._allocation
 
     def observe(self, trees: Sequence[DraftTree], accepted_nodes: Sequence[Sequence[int]]) -> BudgetStep:
@@ -141,13 +150,18 @@ class AdaptiveBudget:
         if self._build_ms is not None and drafted:
             self.build.observe(batch_size, self._built_nodes, self._build_ms)
         if drafted:
-            probs, hits = [], []
-            for tree, nodes in zip(trees, accepted_nodes, strict=True):
-                hit = np.zeros(tree.num_nodes, dtype=bool)
-                hit[list(nodes)] = True  # node indices count from the root (0)
-                probs.append(np.exp(tree.logws[1:]))
-                hits.append(hit[1:])
-            self.calibrator.observe(np.concatenate(probs), np.concatenate(hits))
+            # The verified trees are prefixes of the built ones: their nodes' drafter
+            # probabilities are the first `num_nodes - 1` of each built tree's.
+            built = np.cumsum([0, *self._built_lengths])
+            verified = [tree.num_nodes - 1 for tree in trees]
+            offsets = np.cumsum([0, *verified])
+            probs = np.concatenate(
+                [self._raw_probs[b : b + n] for b, n in zip(built[:-1], verified, strict=True)]
+            )
+            hits = np.zeros(int(offsets[-1]), dtype=bool)
+            for offset, nodes in zip(offsets[:-1], accepted_nodes, strict=True):
+                hits[[offset + node - 1 for node in nodes]] = True  # node indices count from the root
+            self.calibrator.observe(probs, hits)
         self.last_step = BudgetStep(
             drafted=drafted,
             num_nodes=tuple(tree.num_nodes - 1 for tree in trees),
