@@ -108,6 +108,9 @@ class AsyncLLM:
         self._streams_lock = threading.Lock()
         self._num_pending_adds = 0  # adds sent to the thread and not yet applied (under the lock)
         self._error: BaseException | None = None
+        # A stream's first token goes out when its prefill is done, not after the step's
+        # draft and verify: time to first token is the prefill's.
+        engine.on_first_tokens = self._dispatch
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
         self._thread.start()
 

@@ -18,7 +18,7 @@ cached text into a whole new context for it (`_restore_drafter`), and speculatio
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +116,10 @@ class SpecEngine:
         # `DrafterUnavailableError` until `_restore_drafter` has handed it whole contexts again.
         self._drafter_in_sync = self.drafter is not None
         self.num_drafter_losses = 0
+        # Called with the first-token outputs of a step's prefills as soon as they exist, before
+        # the step drafts and verifies (a streaming caller's time to first token); None: they come
+        # with the step's other outputs.
+        self.on_first_tokens: Callable[[list[RequestOutput]], None] | None = None
         self.budget_policy = None
         if settings.budget_policy == "adaptive":
             self.budget_policy = budget_policy or self._adaptive_budget()
@@ -203,6 +207,11 @@ class SpecEngine:
         if scheduled.prefills:
             with self.timer.stage(Stage.PREFILL):
                 self._prefill(scheduled.prefills)
+            if self.on_first_tokens is not None:
+                # A request that finished at its first token is reported (and freed) at the end.
+                first = [r.take_output() for r in scheduled.prefills if not r.finished]
+                if first:
+                    self.on_first_tokens(first)
         running = [r for r in scheduled.running if not r.finished]  # some stop at their first token
         started = time.perf_counter()
         if running and self.overlap and self._drafter_in_sync:

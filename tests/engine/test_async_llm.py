@@ -83,6 +83,32 @@ def test_a_stream_interval_batches_chunks_but_never_holds_back_the_end(client, p
     assert "".join(o.delta_text for o in outputs) == outputs[-1].text
 
 
+def test_the_first_token_streams_before_the_step_drafts_and_verifies(client, prompt_ids):
+    """The prefill's token is the stream's first chunk while the same step's verify still runs
+    (here: held until the caller has it)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first_seen = threading.Event()
+    verify = client.engine.target.verify_and_commit
+
+    def held_verify(inputs):
+        assert first_seen.wait(timeout=20), "the first token did not stream before the verify"
+        return verify(inputs)
+
+    client.engine.target.verify_and_commit = held_verify
+
+    async def collect():
+        outputs = []
+        async for output in client.generate_stream(prompt_ids[0], params, request_id="early"):
+            outputs.append(output)
+            first_seen.set()
+        return outputs
+
+    outputs = asyncio.run(asyncio.wait_for(collect(), timeout=120))
+    assert outputs[0].stats.steps == 0 and len(outputs[0].token_ids) == 1  # before any verify
+    assert [t for o in outputs for t in o.delta_token_ids] == outputs[-1].token_ids
+    assert len(outputs[-1].token_ids) == 8
+
+
 def test_leaving_a_stream_early_aborts_and_queue_limit_raises(client, prompt_ids):
     long = SamplingParams(max_tokens=200, ignore_eos=True)
 
