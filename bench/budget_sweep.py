@@ -128,7 +128,7 @@ class RecordingTarget:
     def __init__(self, inner, recorder: TraceRecorder) -> None:
         self.inner, self.recorder = inner, recorder
         self.vocab_size, self.eos_token_ids = inner.vocab_size, inner.eos_token_ids
-        self.max_seq_len = inner.max_seq_len
+        self.max_seq_len, self.verify_token_buckets = inner.max_seq_len, inner.verify_token_buckets
 
     def prefill(self, inputs):
         return self.inner.prefill(inputs)

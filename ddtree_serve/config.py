@@ -134,9 +134,7 @@ class EngineConfig(BaseModel):
         """The frozen view the engine loop reads."""
         # Imported here: the engine package imports this module, so a top-level import would cycle.
         from ddtree_serve.engine.settings import EngineSettings
-        from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS
 
-        graphed = self.device.startswith("cuda") and not self.enforce_eager
         return EngineSettings(
             mode=self.mode,
             budget=self.budget,
@@ -147,7 +145,6 @@ class EngineConfig(BaseModel):
             record_timings=self.record_timings,
             budget_policy=self.budget_policy,
             cost_curve=self.cost_curve,
-            verify_token_buckets=TOKEN_BUCKETS if graphed else None,
         )
 
     def default_sampling_params(self) -> "SamplingParams":

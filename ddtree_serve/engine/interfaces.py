@@ -202,6 +202,12 @@ class Target(Protocol):
         """Positions a slot can hold; the engine keeps prompt + output + tree within it."""
         ...
 
+    @property
+    def verify_token_buckets(self) -> tuple[int, ...] | None:
+        """Tree tokens per request a verify is padded to (its CUDA-graph buckets), so nodes up
+        to the bucket cost nothing more; None: each verify runs at its own size (eager)."""
+        ...
+
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         """Cache each prompt in its (empty) slot and sample its first token."""
         ...

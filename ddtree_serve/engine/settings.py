@@ -26,6 +26,3 @@ class EngineSettings:
     record_timings: bool = False
     budget_policy: BudgetPolicy = "fixed"
     cost_curve: str | None = None  # JSON file for the adaptive policy; None = measure at start-up
-    # Tree tokens per request the target's verify pads to (its CUDA-graph buckets); None = eager,
-    # no padding. The adaptive policy fills a chosen width up to its bucket: those nodes are free.
-    verify_token_buckets: tuple[int, ...] | None = None

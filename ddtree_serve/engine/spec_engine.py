@@ -134,17 +134,18 @@ class SpecEngine:
         if self.settings.mode != "ddtree" or self.drafter is None:
             raise ValueError("budget_policy 'adaptive' needs mode 'ddtree'")
         probe = ModelCostProbe(self.target, self.drafter, top_k=min(self.settings.budget, self.vocab_size))
-        buckets = self.settings.verify_token_buckets
+        buckets = self.target.verify_token_buckets
         batch_sizes = powers_of_two_upto(self.settings.max_num_seqs)
-        tree_tokens = powers_of_two_upto(self.max_tree_tokens)
         if buckets is not None:
             # A graphed target: calibrate at its graphs' own buckets, which captures now every
             # graph a step can meet (one captured mid-run costs a dozen plain steps).
             batch_sizes = buckets_upto(BATCH_BUCKETS, self.settings.max_num_seqs)
-            tree_tokens = buckets_upto(buckets, self.max_tree_tokens)
         build = measure_build_cost(probe, batch_sizes, powers_of_two_upto(self.settings.budget))
         if self.settings.cost_curve is not None:
             return AdaptiveBudget(load_cost_curve(self.settings.cost_curve), build, token_buckets=buckets)
+        tree_tokens = powers_of_two_upto(self.max_tree_tokens)
+        if buckets is not None:
+            tree_tokens = buckets_upto(buckets, self.max_tree_tokens)
         cost = measure_cost_curve(probe, batch_sizes, tree_tokens)
         return AdaptiveBudget(cost, build, token_buckets=buckets)
 
@@ -201,7 +202,8 @@ class SpecEngine:
     # ----------------------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        """Advance every running request by one verify step; return their new outputs."""
+        """Advance every running request by one verify step; return their new outputs (less the
+        prefills' first tokens when `on_first_tokens` took them already)."""
         with self.timer.stage(Stage.SCHEDULE):
             scheduled = self.scheduler.schedule()
         if scheduled.prefills:

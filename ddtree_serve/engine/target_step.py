@@ -22,6 +22,7 @@ from ddtree_serve.engine.interfaces import (
 )
 from ddtree_serve.engine.timing import Stage, StageTimer
 from ddtree_serve.models import TargetRunner
+from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS
 from ddtree_serve.tree import VerifyBatch, build_chain, build_verify_batch
 from ddtree_serve.verify import VerifyResult, get_greedy_backend, target_probs, verify_sampling
 
@@ -60,6 +61,10 @@ class TargetStep:
     @property
     def max_seq_len(self) -> int:
         return int(self.runner.max_seq_len)
+
+    @property
+    def verify_token_buckets(self) -> tuple[int, ...] | None:
+        return None if self.runner.graphs is None else TOKEN_BUCKETS
 
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         # One forward for all prompts; timed as the engine's "prefill" stage.

@@ -253,6 +253,10 @@ class GraphTarget:
     async def check_alive(self) -> None:
         await self._target.check_alive()
 
+    @property
+    def verify_token_buckets(self) -> tuple[int, ...] | None:
+        return self._target.verify_token_buckets
+
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         context = GraphContext(0)
         pending = self._graph.submit_target(

@@ -91,6 +91,7 @@ class TargetWorker:
             "vocab_size": self._target.vocab_size,
             "eos_token_ids": tuple(self._target.eos_token_ids),
             "max_seq_len": self._target.max_seq_len,
+            "verify_token_buckets": self._target.verify_token_buckets,
             "serving": self._serving,
         }
 
@@ -236,10 +237,15 @@ class DescribedTarget:
         self._vocab_size: int = info["vocab_size"]
         self._eos_token_ids: tuple[int, ...] = info["eos_token_ids"]
         self._max_seq_len: int = info["max_seq_len"]
+        self._verify_token_buckets: tuple[int, ...] | None = info["verify_token_buckets"]
 
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def verify_token_buckets(self) -> tuple[int, ...] | None:
+        return self._verify_token_buckets
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

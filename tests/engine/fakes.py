@@ -43,6 +43,10 @@ class RecordingTarget:
     def max_seq_len(self) -> int:
         return self.inner.max_seq_len
 
+    @property
+    def verify_token_buckets(self) -> tuple[int, ...] | None:
+        return self.inner.verify_token_buckets
+
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         for slot, prompt in zip(inputs.slots, inputs.prompts, strict=True):
             self.slot_prompts[slot] = tuple(prompt)

@@ -87,19 +87,19 @@ def test_the_engines_matrix_allocation_is_the_padded_allocation(seed):
         assert got.step_ms == pytest.approx(expected.step_ms)
 
 
-def test_a_width_fills_up_to_its_graph_bucket_within_each_cap():
-    """A graphed verify pads 4 tree tokens to its 8-token bucket: the 7 draft nodes it runs
-    anyway go to every request whose tree and cap have them."""
-    cost = linear_curve(fixed_ms=2.0, per_token_ms=0.2)  # the allocator alone stops at 3
+def test_a_width_is_priced_as_its_graph_bucket_and_filled_within_each_cap():
+    """A graphed verify pads 4 tree tokens to its 8-token bucket: the width is priced as the
+    8 tokens it runs, and the 7 draft nodes go to every request whose tree and cap have them."""
+    cost = linear_curve(fixed_ms=2.0, per_token_ms=0.05)
     probs, caps = [CONFIDENT, CONFIDENT, UNSURE], [8, 3, 8]
-    plain = allocate_padded_rows(*padded_rows(probs, caps), cost, draft_ms=0.0)
     filled = allocate_padded_rows(*padded_rows(probs, caps), cost, draft_ms=0.0, token_buckets=(1, 2, 8))
-    assert plain.num_nodes == (3, 3, 3)
     assert filled.num_nodes == (7, 3, 7)
     assert filled.expected_accepted[0] == pytest.approx(CONFIDENT[:7].sum())
-    assert filled.step_ms == plain.step_ms  # the forward the bucket runs anyway
-    costly = linear_curve(fixed_ms=2.0, per_token_ms=100.0)
-    root_only = allocate_padded_rows(*padded_rows(probs, caps), costly, draft_ms=0.0, token_buckets=(1, 2, 4))
+    assert filled.step_ms == pytest.approx(float(cost.verify_ms(3, 3 * 8)))
+    # Eagerly one node pays; padded to the 8-token graph, no width does: its price decides.
+    dear = linear_curve(fixed_ms=2.0, per_token_ms=1.0)
+    assert allocate_padded_rows(*padded_rows(probs, caps), dear, draft_ms=0.0).num_nodes == (1, 1, 1)
+    root_only = allocate_padded_rows(*padded_rows(probs, caps), dear, draft_ms=0.0, token_buckets=(1, 8))
     assert root_only.num_nodes == (0, 0, 0)
 
 

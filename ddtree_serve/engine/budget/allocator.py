@@ -157,31 +157,32 @@ def allocate_padded_rows(
 ) -> Allocation:
     """`allocate(..., layout="padded")` for a batch held as one matrix: the engine's per-step
     path, without per-request work. `probs [B, W]`: each request's calibrated acceptance
-    probabilities in best-first order, zero past its `lengths[b]` usable nodes (its built
+    probabilities in best-first order; only the first `lengths[b]` of row b count (its built
     tree, cut at its cap).
 
     `token_buckets`: the tree tokens a graphed verify pads to. Its padding runs nodes up to the
-    bucket anyway, so the chosen width is filled up to `bucket - 1` for every request whose
-    tree and cap have them: more tokens for the same forward, and the widths the engine
-    verifies fall on the buckets (fewer distinct graphs to capture).
+    bucket anyway, so each candidate width is priced as its bucket (the forward it really runs)
+    and filled up to `bucket - 1` nodes for every request whose tree and cap have them: the
+    widths the engine verifies fall on the buckets, and none looks cheaper than its graph.
     """
     batch_size, width = probs.shape
-    columns = np.arange(width)
-    usable = columns[None, :] < lengths[:, None]
+    usable = np.arange(width)[None, :] < lengths[:, None]
     probs = np.where(usable, np.minimum.accumulate(np.clip(probs, 0.0, 1.0), axis=1), 0.0)
     widths = np.arange(int(lengths.max(initial=0)) + 1)  # draft nodes of the widest tree
-    expected = batch_size + np.concatenate(([0.0], np.cumsum(probs.sum(axis=0))))[: len(widths)]
+    if token_buckets is not None:
+        buckets = np.asarray(token_buckets)
+        index = np.minimum(np.searchsorted(buckets, widths + 1), len(buckets) - 1)
+        widths = np.maximum(buckets[index], widths + 1) - 1  # each width filled to its bucket
+    column_sums = np.concatenate(([0.0], np.cumsum(probs.sum(axis=0))))
+    expected = batch_size + column_sums[np.minimum(widths, width)]
     step_ms = draft_ms + cost.verify_ms(batch_size, batch_size * (widths + 1))
     best = int(np.argmax(expected / step_ms))
-    step = float(step_ms[best])
-    if token_buckets is not None and best > 0:
-        best = next((b for b in token_buckets if b >= best + 1), best + 1) - 1
-    num_nodes = np.minimum(best, lengths)
+    num_nodes = np.minimum(widths[best], lengths)
     cumulative = np.concatenate((np.zeros((batch_size, 1)), np.cumsum(probs, axis=1)), axis=1)
     return Allocation(
         num_nodes=tuple(int(n) for n in num_nodes),
         expected_accepted=tuple(float(v) for v in cumulative[np.arange(batch_size), num_nodes]),
-        step_ms=step,
+        step_ms=float(step_ms[best]),
     )
 
 

@@ -76,9 +76,10 @@ class CostCurve:
         return float(_interp_extrapolate(np.float64(batch_size), self.batch_sizes, self.draft_grid_ms))
 
     def observe_verify(self, batch_size: int, target_tokens: int, measured_ms: float) -> None:
-        """Move the grid points around (batch, tokens) toward the measured/predicted ratio; one
-        step moves them by at most `MAX_STEP_RATIO` (a CUDA graph captured mid-run, a process
-        descheduled: an outlier must not price a width out for the rest of the run)."""
+        """Move the grid points around (batch, tokens) toward the measured/predicted ratio; the
+        ratio counts as at most `MAX_STEP_RATIO` (or its inverse), so one timing moves a point
+        by at most `1 + ema_weight * (MAX_STEP_RATIO - 1)` (a CUDA graph captured mid-run, a
+        process descheduled: an outlier must not price a width out for the rest of the run)."""
         ratio = measured_ms / float(self.verify_ms(batch_size, target_tokens))
         ratio = min(max(ratio, 1.0 / MAX_STEP_RATIO), MAX_STEP_RATIO)
         (b0, b1), (wb0, wb1) = _bracket(self.batch_sizes, batch_size)

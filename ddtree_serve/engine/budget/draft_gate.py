@@ -27,7 +27,6 @@ from ddtree_serve.engine.budget.step_overhead import StepOverhead
 FIRST_STEP_PLAIN_STEPS = 4.0
 """What the first drafted step may cost, in plain decode steps, before anything is known."""
 
-
 RECHECK_SHIFT = 0.05
 """A plain streak decides again once its plain step's predicted price moved this much (a share)."""
 

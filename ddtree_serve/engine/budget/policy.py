@@ -154,6 +154,9 @@ class AdaptiveBudget:
             # probabilities are the first `num_nodes - 1` of each built tree's.
             built = np.cumsum([0, *self._built_lengths])
             verified = [tree.num_nodes - 1 for tree in trees]
+            assert len(verified) == len(self._built_lengths) and all(
+                v <= b for v, b in zip(verified, self._built_lengths, strict=True)
+            ), "observe takes prefixes of the trees `choose` saw, in its order"
             offsets = np.cumsum([0, *verified])
             probs = np.concatenate(
                 [self._raw_probs[b : b + n] for b, n in zip(built[:-1], verified, strict=True)]

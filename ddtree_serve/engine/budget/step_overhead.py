@@ -11,6 +11,9 @@ kind has its own figure: an EMA of the step's wall time less its priced parts.
 
 from dataclasses import dataclass
 
+MAX_SAMPLE_RATIO = 4.0
+MAX_SAMPLE_FLOOR_MS = 1.0
+
 
 @dataclass
 class StepOverhead:
@@ -25,13 +28,15 @@ class StepOverhead:
             raise ValueError("step overheads must be >= 0 ms and ema_weight in [0, 1]")
 
     def ms(self, drafted: bool) -> float:
+        """The figure for a drafted (True) or a plain step."""
         return self.drafted_ms if drafted else self.plain_ms
 
     def observe(self, drafted: bool, unpriced_ms: float) -> None:
-        """One step's wall time less its priced parts. An outlier (a CUDA graph captured, the
-        process descheduled) moves the figure by at most a few times its size."""
+        """One step's wall time less its priced parts. One sample counts as at most
+        `MAX_SAMPLE_RATIO` times the figure plus `MAX_SAMPLE_FLOOR_MS` (from 0 it still learns,
+        and an outlier, a CUDA graph captured or the process descheduled, moves it a little)."""
         current = self.ms(drafted)
-        sample = min(max(unpriced_ms, 0.0), 4.0 * current + 1.0)
+        sample = min(max(unpriced_ms, 0.0), MAX_SAMPLE_RATIO * current + MAX_SAMPLE_FLOOR_MS)
         updated = current + self.ema_weight * (sample - current)
         if drafted:
             self.drafted_ms = updated
