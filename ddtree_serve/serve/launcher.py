@@ -45,6 +45,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--grpc-port", type=int, help=f"gRPC port, all interfaces {default(defaults.grpc.port)}."
     )
     server.add_argument("--model-name", help=f"Name clients pass as `model` {default(defaults.model_name)}.")
+    server.add_argument(
+        "--stream-batching-interval-ms",
+        type=float,
+        help="A stream sends at most one chunk per interval after its first (Ray Serve LLM's "
+        f"setting; 0 = one per step) {default(defaults.stream_batching_interval_ms)}.",
+    )
     model = parser.add_argument_group("model")
     model.add_argument("--target", help="Target model directory (default: the bundled target).")
     model.add_argument("--drafter", help="DFlash drafter directory (default: the bundled drafter).")
@@ -174,6 +180,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         section[path[-1]] = value
     if args.model_name is not None:
         raw["model_name"] = args.model_name
+    if args.stream_batching_interval_ms is not None:
+        raw["stream_batching_interval_ms"] = args.stream_batching_interval_ms
     return ServeConfig.model_validate(raw)
 
 
