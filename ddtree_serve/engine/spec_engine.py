@@ -136,15 +136,14 @@ class SpecEngine:
         probe = ModelCostProbe(self.target, self.drafter, top_k=min(self.settings.budget, self.vocab_size))
         buckets = self.target.verify_token_buckets
         batch_sizes = powers_of_two_upto(self.settings.max_num_seqs)
-        if buckets is not None:
-            # A graphed target: calibrate at its graphs' own buckets, which captures now every
-            # graph a step can meet (one captured mid-run costs a dozen plain steps).
-            batch_sizes = buckets_upto(BATCH_BUCKETS, self.settings.max_num_seqs)
         build = measure_build_cost(probe, batch_sizes, powers_of_two_upto(self.settings.budget))
         if self.settings.cost_curve is not None:
             return AdaptiveBudget(load_cost_curve(self.settings.cost_curve), build, token_buckets=buckets)
         tree_tokens = powers_of_two_upto(self.max_tree_tokens)
         if buckets is not None:
+            # A graphed target: calibrate at its graphs' own buckets, which captures now every
+            # graph a step can meet (one captured mid-run costs a dozen plain steps).
+            batch_sizes = buckets_upto(BATCH_BUCKETS, self.settings.max_num_seqs)
             tree_tokens = buckets_upto(buckets, self.max_tree_tokens)
         cost = measure_cost_curve(probe, batch_sizes, tree_tokens)
         return AdaptiveBudget(cost, build, token_buckets=buckets)

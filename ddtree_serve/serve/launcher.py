@@ -151,6 +151,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     base = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
     raw: dict[str, Any] = base.model_dump(exclude_unset=False)
     overrides = {
+        ("model_name",): args.model_name,
+        ("stream_batching_interval_ms",): args.stream_batching_interval_ms,
         ("http", "host"): args.host,
         ("http", "port"): args.http_port,
         ("grpc", "port"): args.grpc_port,
@@ -178,10 +180,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         for key in path[:-1]:
             section = section[key]
         section[path[-1]] = value
-    if args.model_name is not None:
-        raw["model_name"] = args.model_name
-    if args.stream_batching_interval_ms is not None:
-        raw["stream_batching_interval_ms"] = args.stream_batching_interval_ms
     return ServeConfig.model_validate(raw)
 
 

@@ -133,18 +133,10 @@ def _allocate_packed(probs: list[np.ndarray], cost: StepCost, draft_ms: float) -
 
 
 def _allocate_padded(probs: list[np.ndarray], cost: StepCost, draft_ms: float) -> Allocation:
-    batch_size = len(probs)
-    widest = max(len(p) for p in probs)
-    widths = np.arange(widest + 1)  # draft nodes of the widest tree
-    padded = np.zeros((batch_size, widest))
+    rows = np.zeros((len(probs), max(len(p) for p in probs)))
     for i, p in enumerate(probs):
-        padded[i, : len(p)] = p
-    # A request shorter than the width adds nothing past its end: sum the columns, then cumulate.
-    expected = batch_size + np.concatenate(([0.0], np.cumsum(padded.sum(axis=0))))
-    step_ms = draft_ms + cost.verify_ms(batch_size, batch_size * (widths + 1))
-    best = int(np.argmax(expected / step_ms))
-    num_nodes = np.array([min(best, len(p)) for p in probs])
-    return _allocation(probs, num_nodes, float(step_ms[best]))
+        rows[i, : len(p)] = p
+    return allocate_padded_rows(rows, np.array([len(p) for p in probs]), cost, draft_ms=draft_ms)
 
 
 def allocate_padded_rows(

@@ -116,7 +116,7 @@ class DraftGate:
         assert self.curve is not None
         batch_size = len(caps)
         candidates = powers_of_two_upto(max(caps))
-        nodes_built = np.minimum(np.asarray(caps)[None, :], np.asarray(candidates)[:, None]).sum(axis=1)
+        nodes_built = _nodes_built(caps, candidates)
         draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms + build.ms(batch_size, nodes_built)
         rates = ceiling_rates(self.curve, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
         best = int(np.argmax(rates))  # the first (narrowest) of equal rates
@@ -130,12 +130,13 @@ class DraftGate:
         batch_size = len(caps)
         plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
         draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms
+        candidates = powers_of_two_upto(max(caps))
+        nodes_built = _nodes_built(caps, candidates)
         affordable = 1
-        for candidate in powers_of_two_upto(max(caps)):
-            capped = [min(c, candidate) for c in caps]
+        for candidate, nodes in zip(candidates, nodes_built, strict=True):
             step_ms = (
                 draft_ms
-                + float(build.ms(batch_size, sum(capped)))
+                + float(build.ms(batch_size, nodes))
                 + float(cost.verify_ms(batch_size, batch_size * (candidate + 1)))
             )
             if step_ms <= FIRST_STEP_PLAIN_STEPS * plain_ms:
@@ -159,3 +160,8 @@ class DraftGate:
         merged[: len(self.curve)] = self.curve
         merged[:width] += self.curve_weight * (step_curve - merged[:width])
         self.curve = merged
+
+
+def _nodes_built(caps: Sequence[int], ceilings: Sequence[int]) -> np.ndarray:
+    """Draft nodes the build makes over the batch at each ceiling: each request up to its cap."""
+    return np.minimum(np.asarray(caps)[None, :], np.asarray(ceilings)[:, None]).sum(axis=1)

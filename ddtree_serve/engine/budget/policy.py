@@ -81,7 +81,6 @@ class AdaptiveBudget:
         self._built_lengths = np.zeros(0, dtype=np.int64)  # its draft nodes built per request
         self.last_step: BudgetStep | None = None
         self._ceiling = 0
-        self._built_nodes = 0  # draft nodes of the trees `choose` saw (what the build made)
         self._draft_ms: float | None = None
         self._build_ms: float | None = None
         self._verify_ms: float | None = None
@@ -122,7 +121,6 @@ class AdaptiveBudget:
         accept_probs = np.split(calibrated, np.cumsum(lengths)[:-1])
         self.gate.record_curve(accept_probs)
         draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
-        self._built_nodes = int(lengths.sum())
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         if self.layout == "padded":
             rows = np.zeros((len(trees), int(lengths.max(initial=0))))
@@ -142,18 +140,18 @@ class AdaptiveBudget:
         """
         batch_size = len(trees)
         drafted = self._allocation is not None
+        verified = [tree.num_nodes - 1 for tree in trees]  # draft nodes each tree verified
         if self._verify_ms is not None:
             target_tokens = batch_size * max(tree.num_nodes for tree in trees)  # padded verify batch
             self.cost.observe_verify(batch_size, target_tokens, self._verify_ms)
         if self._draft_ms is not None:
             self.cost.observe_draft(batch_size, self._draft_ms)
         if self._build_ms is not None and drafted:
-            self.build.observe(batch_size, self._built_nodes, self._build_ms)
+            self.build.observe(batch_size, int(self._built_lengths.sum()), self._build_ms)
         if drafted:
             # The verified trees are prefixes of the built ones: their nodes' drafter
             # probabilities are the first `num_nodes - 1` of each built tree's.
             built = np.cumsum([0, *self._built_lengths])
-            verified = [tree.num_nodes - 1 for tree in trees]
             assert len(verified) == len(self._built_lengths) and all(
                 v <= b for v, b in zip(verified, self._built_lengths, strict=True)
             ), "observe takes prefixes of the trees `choose` saw, in its order"
@@ -167,7 +165,7 @@ class AdaptiveBudget:
             self.calibrator.observe(probs, hits)
         self.last_step = BudgetStep(
             drafted=drafted,
-            num_nodes=tuple(tree.num_nodes - 1 for tree in trees),
+            num_nodes=tuple(verified),
             predicted_per_request=(
                 self._allocation.expected_accepted if self._allocation is not None else (0.0,) * batch_size
             ),
