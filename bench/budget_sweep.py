@@ -4,7 +4,9 @@ Live mode (default): the in-process engine over one model pair (the bundled one 
 runs the same greedy prompts at each concurrency with plain decoding (ar), DDTree at fixed
 budgets, and the adaptive budget (`budget_policy="adaptive"`), one run each, and reports
 generated tokens per second. The adaptive engine's start-up cost calibration runs once, before
-the sweep; its curve is saved and loaded by every adaptive run (its live refresh then goes on).
+the sweep (its curve is saved, for simulations); one adaptive policy then lives through the whole
+sweep, as in a server whose load changes: what it learned at one concurrency (acceptance
+calibration, live costs, step-time ratios per batch bucket) it keeps at the next.
 The fixed run at the largest budget records per-step acceptance traces (each request's full
 best-first tree and the nodes verification accepted), saved for the simulation.
 
@@ -186,7 +188,13 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep]]:
             configs.append(
                 (f"ddtree-{budget}", _engine(config, "fixed", engine_target, engine_drafter, tokenizer))
             )
-        adaptive = SpecEngine(_settings(base, "adaptive", str(cost_path)), target, drafter, tokenizer)
+        adaptive = SpecEngine(
+            _settings(base, "adaptive", str(cost_path)),
+            target,
+            drafter,
+            tokenizer,
+            budget_policy=calibrating.budget_policy,
+        )
         configs.append(("adaptive", adaptive))
         row: dict = {"concurrency": concurrency}
         for name, engine in configs:

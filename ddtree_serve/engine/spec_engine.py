@@ -57,7 +57,13 @@ from ddtree_serve.engine.scheduler import ScheduledStep, Scheduler
 from ddtree_serve.engine.settings import EngineSettings
 from ddtree_serve.engine.stop import StopChecker
 from ddtree_serve.engine.timing import Stage, StageTimer
-from ddtree_serve.engine.tree_builder import BuiltTrees, TreeBuilder, build_host_trees, root_only_trees
+from ddtree_serve.engine.tree_builder import (
+    BuiltTrees,
+    TreeBuilder,
+    build_host_trees,
+    root_only_trees,
+    topk_on_host,
+)
 from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS
 from ddtree_serve.tree import build_verify_batch
 
@@ -272,8 +278,14 @@ class SpecEngine:
         except DrafterUnavailableError as error:
             self._lose_drafter(error)
             return None
-        if self.budget_policy is not None and not self.budget_policy.probing:
-            self.budget_policy.record_draft_ms(1000.0 * (time.perf_counter() - started))
+        if self.budget_policy is not None:
+            # The last step's lesson while the drafter's kernels run; then its top-K to the
+            # host (the build's one copy, made here), so the drafter's time is the draft stage's.
+            self.budget_policy.learn()
+            logp, ids = topk_on_host(draft.logp, draft.ids)
+            draft = DraftOutput(logp, ids, draft.num_context_tokens)
+            if not self.budget_policy.probing:
+                self.budget_policy.record_draft_ms(1000.0 * (time.perf_counter() - started))
         for request in requests:
             request.pending_contexts = []
         _check_positions(requests, draft.num_context_tokens)

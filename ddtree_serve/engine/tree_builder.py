@@ -122,15 +122,24 @@ def build_host_trees(
     chain: bool = False,
 ) -> list[DraftTree]:
     """One host tree per request from the draft's `logp`, `ids` [B, L, K] (any device)."""
-    packed = torch.cat([logp.float(), ids.to(torch.float32)], dim=-1).cpu()  # one copy; ids < 2^24
-    num_ranks = logp.shape[-1]
-    logp_np, ids_np = packed[..., :num_ranks].numpy(), packed[..., num_ranks:].long().numpy()
+    logp, ids = topk_on_host(logp, ids)
+    logp_np, ids_np = logp.numpy(), ids.numpy()
     if chain:
         return [build_chain(ids_np[b, :, 0], root, logp_np[b, :, 0]) for b, root in enumerate(root_tokens)]
     return [
         build_ddtree(logp_np[b, :, :budget], ids_np[b, :, :budget], budget, root)
         for b, (budget, root) in enumerate(zip(budgets, root_tokens, strict=True))
     ]
+
+
+def topk_on_host(logp: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's top-K on the host (float32 log-probs, int64 ids) in one copy; waits for the
+    drafter's kernels when they are still running."""
+    if logp.device.type == "cpu" and logp.dtype == torch.float32 and ids.device.type == "cpu":
+        return logp, ids
+    packed = torch.cat([logp.float(), ids.to(torch.float32)], dim=-1).cpu()  # one copy; ids < 2^24
+    num_ranks = logp.shape[-1]
+    return packed[..., :num_ranks], packed[..., num_ranks:].long()
 
 
 @dataclass

@@ -20,7 +20,7 @@ def flat_cost(verify_ms: float, draft_ms: float) -> CostCurve:
 
 def gate_with_curve() -> DraftGate:
     gate = DraftGate()
-    gate.record_curve([CONFIDENT])
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
     return gate
 
 

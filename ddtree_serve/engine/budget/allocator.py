@@ -17,6 +17,7 @@ Losslessness does not depend on the choice: it is made from drafter outputs only
 target draws any coin, and every tree verified is a prefix of a valid best-first tree.
 """
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -83,24 +84,22 @@ def ceiling_rates(
     *,
     draft_ms: np.ndarray,
     layout: TokenLayout,
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Best predicted tokens/s of each candidate ceiling when every request's candidates follow
-    one acceptance `curve`: for ceiling `c`, `allocate([curve] * B, [min(cap, c) for cap in caps],
-    draft_ms=draft_ms[j]).tokens_per_s`. `draft_ms[j]`: the drafter's call and the build at
-    ceiling j. The gate asks this every step, so on the padded layout it is one pass for all
-    ceilings: a width `w` within a ceiling gains the same accepted tokens under any larger one
-    (and costs the same forward), so only each ceiling's fixed cost and its widest width differ.
+    one acceptance `curve`, and the predicted step milliseconds of that best choice: for ceiling
+    `c`, `allocate([curve] * B, [min(cap, c) for cap in caps], draft_ms=draft_ms[j])`'s
+    `tokens_per_s` and `step_ms`. `draft_ms[j]`: the drafter's call and the build at ceiling j.
+    The gate asks this every step, so on the padded layout it is one pass for all ceilings: a
+    width `w` within a ceiling gains the same accepted tokens under any larger one (and costs
+    the same forward), so only each ceiling's fixed cost and its widest width differ.
     """
     draft_ms = np.asarray(draft_ms, dtype=np.float64)
     if layout == "packed":
-        return np.array(
-            [
-                allocate(
-                    [curve] * len(caps), [min(c, ceiling) for c in caps], cost, draft_ms=d, layout=layout
-                ).tokens_per_s
-                for ceiling, d in zip(ceilings, draft_ms, strict=True)
-            ]
-        )
+        allocations = [
+            allocate([curve] * len(caps), [min(c, ceiling) for c in caps], cost, draft_ms=d, layout=layout)
+            for ceiling, d in zip(ceilings, draft_ms, strict=True)
+        ]
+        return np.array([a.tokens_per_s for a in allocations]), np.array([a.step_ms for a in allocations])
     batch_size = len(caps)
     shared = _non_increasing(curve)
     lengths = np.minimum(np.maximum(np.asarray(caps, dtype=np.int64), 0), len(shared))  # [B]
@@ -109,8 +108,11 @@ def ceiling_rates(
     expected = batch_size + cumulative[np.minimum(widths[None, :], lengths[:, None])].sum(axis=0)  # [W]
     forward_ms = cost.verify_ms(batch_size, batch_size * (widths + 1))  # [W]
     within = widths[None, :] <= np.asarray(ceilings, dtype=np.int64)[:, None]  # [C, W]
-    rates = np.where(within, expected / (draft_ms[:, None] + forward_ms), -np.inf)
-    return 1000.0 * rates.max(axis=1)
+    step_ms = draft_ms[:, None] + forward_ms  # [C, W]
+    rates = np.where(within, expected / step_ms, -np.inf)
+    best = rates.argmax(axis=1)
+    rows = np.arange(len(ceilings))
+    return 1000.0 * rates[rows, best], step_ms[rows, best]
 
 
 def plain_decode_rate(batch_size: int, cost: StepCost, overhead_ms: float = 0.0) -> float:
@@ -146,11 +148,13 @@ def allocate_padded_rows(
     *,
     draft_ms: float,
     token_buckets: Sequence[int] | None = None,
+    ordered: bool = False,
 ) -> Allocation:
     """`allocate(..., layout="padded")` for a batch held as one matrix: the engine's per-step
     path, without per-request work. `probs [B, W]`: each request's calibrated acceptance
     probabilities in best-first order; only the first `lengths[b]` of row b count (its built
-    tree, cut at its cap).
+    tree, cut at its cap). `ordered`: the rows are already non-increasing in [0, 1] and zero
+    past `lengths` (calibrated trees no cap cuts), so they are taken as they are.
 
     `token_buckets`: the tree tokens a graphed verify pads to. Its padding runs nodes up to the
     bucket anyway, so each candidate width is priced as its bucket (the forward it really runs)
@@ -158,24 +162,36 @@ def allocate_padded_rows(
     widths the engine verifies fall on the buckets, and none looks cheaper than its graph.
     """
     batch_size, width = probs.shape
-    usable = np.arange(width)[None, :] < lengths[:, None]
-    probs = np.where(usable, np.minimum.accumulate(np.clip(probs, 0.0, 1.0), axis=1), 0.0)
-    widths = np.arange(int(lengths.max(initial=0)) + 1)  # draft nodes of the widest tree
-    if token_buckets is not None:
-        buckets = np.asarray(token_buckets)
-        index = np.minimum(np.searchsorted(buckets, widths + 1), len(buckets) - 1)
-        widths = np.maximum(buckets[index], widths + 1) - 1  # each width filled to its bucket
-    column_sums = np.concatenate(([0.0], np.cumsum(probs.sum(axis=0))))
-    expected = batch_size + column_sums[np.minimum(widths, width)]
+    if not ordered:
+        usable = np.arange(width) < lengths[:, None]
+        probs = np.minimum.accumulate(np.clip(probs, 0.0, 1.0), axis=1) * usable
+    cumulative = np.concatenate((np.zeros((batch_size, 1)), np.cumsum(probs, axis=1)), axis=1)  # [B, W + 1]
+    buckets = None if token_buckets is None else tuple(token_buckets)
+    widths = _candidate_widths(int(lengths.max(initial=0)), buckets)
+    expected = batch_size + cumulative.sum(axis=0)[np.minimum(widths, width)]
     step_ms = draft_ms + cost.verify_ms(batch_size, batch_size * (widths + 1))
     best = int(np.argmax(expected / step_ms))
     num_nodes = np.minimum(widths[best], lengths)
-    cumulative = np.concatenate((np.zeros((batch_size, 1)), np.cumsum(probs, axis=1)), axis=1)
     return Allocation(
-        num_nodes=tuple(int(n) for n in num_nodes),
-        expected_accepted=tuple(float(v) for v in cumulative[np.arange(batch_size), num_nodes]),
+        num_nodes=tuple(num_nodes.tolist()),
+        expected_accepted=tuple(cumulative[np.arange(batch_size), num_nodes].tolist()),
         step_ms=float(step_ms[best]),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _candidate_widths(max_width: int, token_buckets: tuple[int, ...] | None) -> np.ndarray:
+    """The widths (draft nodes of the widest tree) worth pricing, ascending: every one up to
+    `max_width` eagerly; on a graphed verify each filled to its bucket (`bucket - 1` nodes; past
+    the last bucket, itself), duplicates dropped (a duplicate has the same price and gain, so
+    the narrowest best width is the same). Cached: the engine asks for the same few each step."""
+    widths = np.arange(max_width + 1)
+    if token_buckets is not None:
+        buckets = np.asarray(token_buckets)
+        index = np.minimum(np.searchsorted(buckets, widths + 1), len(buckets) - 1)
+        widths = np.unique(np.maximum(buckets[index], widths + 1) - 1)
+    widths.setflags(write=False)
+    return widths
 
 
 def _allocation(probs: list[np.ndarray], num_nodes: np.ndarray, step_ms: float) -> Allocation:

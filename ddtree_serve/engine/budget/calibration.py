@@ -37,9 +37,9 @@ class AcceptanceCalibrator:
         # hold everything beyond.
         self._bin_width = 2 * _LOGIT_LIMIT / num_bins
         self._centres = _sigmoid(-_LOGIT_LIMIT + (np.arange(num_bins) + 0.5) * self._bin_width)  # [num_bins]
-        self._num_nodes = np.zeros(num_bins)  # decayed count of verified nodes per bin
-        self._num_accepted = np.zeros(num_bins)  # ... of those on the accepted path
-        self._prob_sum = np.zeros(num_bins)  # ... sum of their drafter probabilities
+        # Per bin, decayed: verified nodes, those of them on the accepted path, and the sum of
+        # their drafter probabilities (rows of one array: one decay, one update per step).
+        self._stats = np.zeros((3, num_bins))
         self._table: tuple[np.ndarray, np.ndarray] | None = None  # (probs, rates), ascending
 
     def bin_index(self, drafter_probs: np.ndarray) -> np.ndarray:
@@ -56,11 +56,10 @@ class AcceptanceCalibrator:
         if probs.shape != hits.shape:
             raise ValueError(f"{probs.shape[0]} probabilities for {hits.shape[0]} outcomes")
         bins = self.bin_index(probs)
-        for stats in (self._num_nodes, self._num_accepted, self._prob_sum):
-            stats *= self.decay
-        np.add.at(self._num_nodes, bins, 1.0)
-        np.add.at(self._num_accepted, bins, hits)
-        np.add.at(self._prob_sum, bins, probs)
+        self._stats *= self.decay
+        self._stats[0] += np.bincount(bins, minlength=self.num_bins)
+        self._stats[1] += np.bincount(bins, weights=hits, minlength=self.num_bins)
+        self._stats[2] += np.bincount(bins, weights=probs, minlength=self.num_bins)
         self._table = None
 
     def calibrate(self, drafter_probs: np.ndarray) -> np.ndarray:
@@ -73,12 +72,17 @@ class AcceptanceCalibrator:
         """Expected accepted draft tokens of a tree holding nodes of these probabilities."""
         return float(self.calibrate(drafter_probs).sum())
 
+    def refresh(self) -> None:
+        """Rebuild the calibrated map now (else the next `calibrate` does, on its own time)."""
+        self._interpolation_table()
+
     def _interpolation_table(self) -> tuple[np.ndarray, np.ndarray]:
         if self._table is None:
-            weights = self._num_nodes + self.prior_weight
+            num_nodes, num_accepted, prob_sum = self._stats
+            weights = num_nodes + self.prior_weight
             prior_mass = self.prior_weight * self._centres
-            mean_probs = (self._prob_sum + prior_mass) / weights
-            rates = (self._num_accepted + prior_mass) / weights
+            mean_probs = (prob_sum + prior_mass) / weights
+            rates = (num_accepted + prior_mass) / weights
             monotone = np.clip(isotonic_increasing(rates, weights), 0.0, 1.0)  # bins ascend in p already
             # Anchored at (0, 0): a node the drafter gives no chance is never counted on.
             self._table = (np.concatenate(([0.0], mean_probs)), np.concatenate(([0.0], monotone)))

@@ -22,6 +22,7 @@ every verify time, e.g. the layer count when the file holds one layer's cost. Ot
 (device, notes) are ignored. Entries missing from a grid are interpolated within their batch row.
 """
 
+import bisect
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -62,18 +63,53 @@ class CostCurve:
         if np.any(self.grid_ms <= 0) or np.any(self.draft_grid_ms < 0):
             raise ValueError("verify times must be > 0 ms and draft times >= 0 ms")
         self.ema_weight = ema_weight
+        # The axes as tuples of floats, for the scalar lookups the policy makes every step.
+        self._batch_axis = tuple(self.batch_sizes.tolist())
+        self._token_axis = tuple(self.token_counts.tolist())
 
     def verify_ms(self, batch_size: int, target_tokens: np.ndarray | float) -> np.ndarray:
-        """Predicted verify milliseconds of `batch_size` requests over `target_tokens` tokens."""
-        (b0, b1), (wb0, wb1) = _bracket(self.batch_sizes, batch_size)
+        """Predicted verify milliseconds of `batch_size` requests over `target_tokens` tokens.
+
+        The policy asks this several times a step, so it interpolates one blended row (exact:
+        the blend is linear, and each row's extrapolation slope is clamped before blending)."""
+        (b0, b1), (wb0, wb1) = _bracket(self._batch_axis, batch_size)
+        grid = self.grid_ms
+        if isinstance(target_tokens, int | float | np.integer | np.floating):
+            value = wb0 * self._row_ms(b0, float(target_tokens))
+            if wb1 != 0.0:
+                value += wb1 * self._row_ms(b1, float(target_tokens))
+            return np.float64(value)
+        row = grid[b0] if wb1 == 0.0 else wb0 * grid[b0] + wb1 * grid[b1]
         tokens = np.asarray(target_tokens, dtype=np.float64)
-        row0 = _interp_extrapolate(tokens, self.token_counts, self.grid_ms[b0])
-        row1 = _interp_extrapolate(tokens, self.token_counts, self.grid_ms[b1])
-        return wb0 * row0 + wb1 * row1
+        inner = np.interp(tokens, self.token_counts, row)
+        last = self._token_axis[-1]
+        if len(self._token_axis) == 1 or not np.any(tokens > last):
+            return inner
+        slope = wb0 * _last_slope(self.token_counts, grid[b0])
+        if wb1 != 0.0:
+            slope += wb1 * _last_slope(self.token_counts, grid[b1])
+        return np.where(tokens > last, row[-1] + slope * (tokens - last), inner)
+
+    def _row_ms(self, row: int, tokens: float) -> float:
+        """Batch row `row` of the grid at `tokens`, as `verify_ms` reads it (held below the
+        first point, extrapolated past the last)."""
+        axis, ms = self._token_axis, self.grid_ms[row]
+        if tokens > axis[-1] and len(axis) > 1:
+            return float(ms[-1]) + _last_slope(self.token_counts, ms) * (tokens - axis[-1])
+        (lo, hi), (w_lo, w_hi) = _bracket(axis, tokens)
+        return w_lo * float(ms[lo]) + (w_hi * float(ms[hi]) if w_hi != 0.0 else 0.0)
 
     def draft_ms(self, batch_size: int) -> float:
-        """Predicted milliseconds of one drafter call for `batch_size` requests."""
-        return float(_interp_extrapolate(np.float64(batch_size), self.batch_sizes, self.draft_grid_ms))
+        """Predicted milliseconds of one drafter call for `batch_size` requests (interpolated
+        along the batch axis, held below its first point, extrapolated past its last)."""
+        axis, ms = self._batch_axis, self.draft_grid_ms
+        if batch_size <= axis[0] or len(axis) == 1:
+            return float(ms[0])
+        if batch_size >= axis[-1]:
+            slope = max(float(ms[-1] - ms[-2]) / (axis[-1] - axis[-2]), 0.0)
+            return float(ms[-1]) + slope * (batch_size - axis[-1])
+        (lo, hi), (w_lo, w_hi) = _bracket(axis, batch_size)
+        return w_lo * float(ms[lo]) + w_hi * float(ms[hi])
 
     def observe_verify(self, batch_size: int, target_tokens: int, measured_ms: float) -> None:
         """Move the grid points around (batch, tokens) toward the measured/predicted ratio; the
@@ -82,8 +118,8 @@ class CostCurve:
         process descheduled: an outlier must not price a width out for the rest of the run)."""
         ratio = measured_ms / float(self.verify_ms(batch_size, target_tokens))
         ratio = min(max(ratio, 1.0 / MAX_STEP_RATIO), MAX_STEP_RATIO)
-        (b0, b1), (wb0, wb1) = _bracket(self.batch_sizes, batch_size)
-        (t0, t1), (wt0, wt1) = _bracket(self.token_counts, target_tokens)
+        (b0, b1), (wb0, wb1) = _bracket(self._batch_axis, batch_size)
+        (t0, t1), (wt0, wt1) = _bracket(self._token_axis, target_tokens)
         for b, wb in ((b0, wb0), (b1, wb1)):
             for t, wt in ((t0, wt0), (t1, wt1)):
                 self.grid_ms[b, t] *= 1.0 + self.ema_weight * wb * wt * (ratio - 1.0)
@@ -93,7 +129,7 @@ class CostCurve:
         predicted = self.draft_ms(batch_size)
         if predicted > 0:
             measured_ms = min(max(measured_ms, predicted / MAX_STEP_RATIO), predicted * MAX_STEP_RATIO)
-        (b0, b1), (wb0, wb1) = _bracket(self.batch_sizes, batch_size)
+        (b0, b1), (wb0, wb1) = _bracket(self._batch_axis, batch_size)
         for b, wb in ((b0, wb0), (b1, wb1)):
             self.draft_grid_ms[b] += self.ema_weight * wb * (measured_ms - self.draft_grid_ms[b])
 
@@ -167,17 +203,22 @@ def _field(spec: Mapping[str, Any], keys: tuple[str, ...], default: Any = None) 
     return default
 
 
-def _bracket(axis: np.ndarray, x: float) -> tuple[tuple[int, int], tuple[float, float]]:
+def _bracket(axis: tuple[float, ...], x: float) -> tuple[tuple[int, int], tuple[float, float]]:
     """The two grid indices around x and their linear weights; clamped at the ends."""
     if x <= axis[0] or len(axis) == 1:
         return (0, 0), (1.0, 0.0)
     if x >= axis[-1]:
         last = len(axis) - 1
         return (last, last), (1.0, 0.0)
-    hi = int(np.searchsorted(axis, x))
+    hi = bisect.bisect_left(axis, x)
     lo = hi - 1
     w_hi = (x - axis[lo]) / (axis[hi] - axis[lo])
     return (lo, hi), (1.0 - w_hi, w_hi)
+
+
+def _last_slope(xs: np.ndarray, ys: np.ndarray) -> float:
+    """The last segment's slope, floored at 0: how a curve continues past its last point."""
+    return max(float(ys[-1] - ys[-2]) / float(xs[-1] - xs[-2]), 0.0)
 
 
 def _interp_extrapolate(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -187,5 +228,4 @@ def _interp_extrapolate(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.nda
     inner = np.interp(x, xs, ys)
     if len(xs) == 1:
         return inner
-    slope_hi = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
-    return np.where(x > xs[-1], ys[-1] + slope_hi * (x - xs[-1]), inner)
+    return np.where(x > xs[-1], ys[-1] + _last_slope(xs, ys) * (x - xs[-1]), inner)

@@ -7,9 +7,13 @@ probabilities of the latest drafted trees, averaged over their requests) as if e
 request had that curve, with the drafter's call, that ceiling's build and the verify forward as
 the step's cost; ceiling 0 is a plain decode step (no drafter call, root-only trees). The best
 one wins. The first step, with no curve yet, takes the widest ceiling that costs at most a few
-plain steps. After `probe_interval` steps in a row below the cap, one step builds wider (twice
-the choice) so the curve past the chosen width stays current and the engine can widen again
-when acceptance or load changes; after plain steps the probe drafts at the best drafting
+plain steps. Each candidate's predicted rate is divided by the measured-over-predicted step time
+of its ceiling (`step_residual.py`), so what the models leave out is judged by what steps took.
+After a few steps at one choice (2 at a new one, doubling to `probe_interval` while probes
+confirm it), one step builds alternately wider (twice the choice:
+the curve past the chosen width stays current and the engine can widen again when acceptance or
+load changes) and narrower (the next candidate below: its measured ratio stays current); after
+plain steps the probe drafts at the best drafting
 ceiling (a probe at the cap could cost more than the plain steps before it saved), and while
 probes keep finding drafting a clear loss they come at doubling intervals: each one also pays
 the drafter's catch-up on all the context it skipped (on a CPU at batch 64, ten plain steps').
@@ -23,12 +27,16 @@ from ddtree_serve.engine.budget.allocator import StepCost, TokenLayout, ceiling_
 from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.measure import powers_of_two_upto
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
+from ddtree_serve.engine.budget.step_residual import StepResidual
 
 FIRST_STEP_PLAIN_STEPS = 4.0
 """What the first drafted step may cost, in plain decode steps, before anything is known."""
 
 RECHECK_SHIFT = 0.05
 """A plain streak decides again once its plain step's predicted price moved this much (a share)."""
+
+FIRST_PROBE_INTERVAL = 2
+"""Drafted steps at a new choice before the first probe of its neighbours."""
 
 CLEAR_LOSS = 0.8
 """Probes back off only while the best drafting rate is predicted below this share of plain
@@ -44,15 +52,26 @@ class DraftGate:
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
         self.curve: np.ndarray | None = None  # [positions] recent calibrated acceptance
-        self.num_narrow_steps = 0  # consecutive steps whose ceiling was below the cap
+        self.num_narrow_steps = 0  # steps since the last probe (each took the best choice)
         # Plain steps before the next probe: doubled after each probe that found drafting still
         # a loss (a probe pays the drafter's catch-up on every context it skipped), up to 16x.
         self.plain_probe_interval = probe_interval
+        # Drafted steps before the next probe of the neighbouring ceilings: from
+        # `FIRST_PROBE_INTERVAL` after the choice changed, doubled after each probe that left it
+        # as it was, up to `probe_interval` (a new situation is learned in a few steps, a settled
+        # one pays for a probe rarely).
+        self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, probe_interval)
+        self._last_best: int | None = None
         self.probing = False  # the last ceiling is a probe after plain steps
         # (batch size, cap) of the plain streak under way (None while drafting) and the plain
         # step's price when it was decided: see `ceiling`.
         self._plain_streak: tuple[int, int] | None = None
         self._plain_streak_ms = 0.0
+        self.residual = StepResidual()
+        self._next_probe_wider = True  # a drafting probe's direction: it flips at each one
+        # (batch size, ceiling, predicted step ms) of the step the last `ceiling` decided, for
+        # `record_step_ms`; None when that step teaches no ratio (the first, a probe).
+        self._decided: tuple[int, int, float] | None = None
 
     def ceiling(
         self,
@@ -64,13 +83,17 @@ class DraftGate:
     ) -> int:
         """Draft nodes per tree this step may build (0: decode plainly); counts toward a probe.
 
-        `overhead`: each kind of step's host work besides its priced parts (default: none)."""
+        `overhead`: each kind of step's host work besides its priced parts (default: none).
+        Each candidate's predicted rate is divided by its measured step-time ratio
+        (`step_residual.py`); `record_step_ms` teaches that ratio from the step this chose."""
         overhead = overhead or StepOverhead()
+        self._decided = None
         cap = max(caps)
         if cap <= 0:
             return 0
-        plain_ms = float(cost.verify_ms(len(caps), len(caps))) + overhead.plain_ms
-        streak = (len(caps), cap)
+        batch_size = len(caps)
+        plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
+        streak = (batch_size, cap)
         if (
             streak == self._plain_streak
             and self.num_narrow_steps < self.plain_probe_interval
@@ -81,46 +104,79 @@ class DraftGate:
             # the whole decision would cost a tenth of the plain step.
             self.num_narrow_steps += 1
             self.probing = False
+            self._decided = (batch_size, 0, plain_ms)
             return 0
         clear_loss = False  # drafting predicted well below plain decoding
         if self.curve is None:
             best = drafted = self._first_ceiling(caps, cost, build, overhead)
+            predicted_ms: dict[int, float] = {}
         else:
-            drafted, drafted_rate = self._best_drafted_ceiling(caps, cost, build, layout, overhead)
-            plain_rate = plain_decode_rate(len(caps), cost, overhead.plain_ms)
+            candidates, rates, step_ms = self._drafted_ceilings(caps, cost, build, layout, overhead)
+            predicted_ms = dict(zip(candidates, step_ms.tolist(), strict=True))
+            pick = int(np.argmax(rates))  # the first (narrowest) of equal rates
+            drafted, drafted_rate = candidates[pick], float(rates[pick])
+            plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / self.residual.ratio(
+                batch_size, 0
+            )
             best = drafted if drafted_rate > plain_rate else 0
             clear_loss = drafted_rate < CLEAR_LOSS * plain_rate
+        predicted_ms[0] = plain_ms
+        if best != self._last_best:
+            self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, self.probe_interval)
+        self._last_best = best
         chosen = best
-        interval = self.plain_probe_interval if best == 0 else self.probe_interval
-        if best < cap and self.num_narrow_steps >= interval:
-            chosen = drafted if best == 0 else min(cap, 2 * best)
+        interval = self.plain_probe_interval if best == 0 else self.drafted_probe_interval
+        if self.num_narrow_steps >= interval:
+            chosen = drafted if best == 0 else self._probe_ceiling(best, cap)
+            if best > 0:
+                self.drafted_probe_interval = min(2 * self.drafted_probe_interval, self.probe_interval)
         self.probing = best == 0 and chosen > 0
         if best > 0 or not clear_loss:
             self.plain_probe_interval = self.probe_interval
         elif chosen > 0:
             self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
-        self.num_narrow_steps = 0 if chosen != best or chosen == cap else self.num_narrow_steps + 1
+        self.num_narrow_steps = 0 if chosen != best else self.num_narrow_steps + 1
         self._plain_streak = streak if chosen == 0 else None
         self._plain_streak_ms = plain_ms
+        if not self.probing and chosen in predicted_ms:
+            self._decided = (batch_size, chosen, predicted_ms[chosen])  # a probe drafts a few only
         return chosen
 
-    def _best_drafted_ceiling(
+    def _probe_ceiling(self, best: int, cap: int) -> int:
+        """A drafting probe's ceiling: alternately twice the choice (the curve past it stays
+        known) and the candidate below it (its step-time ratio stays known), where they exist."""
+        wider = min(cap, 2 * best)
+        narrower = max((c for c in powers_of_two_upto(cap) if c < best), default=0)
+        wider_turn, self._next_probe_wider = self._next_probe_wider, not self._next_probe_wider
+        if wider > best and (wider_turn or narrower == 0):
+            return wider
+        return narrower or best
+
+    def record_step_ms(self, step_ms: float) -> None:
+        """The wall time of the step the last `ceiling` decided: teaches that ceiling's ratio."""
+        if self._decided is not None:
+            batch_size, ceiling, predicted_ms = self._decided
+            self.residual.observe(batch_size, ceiling, predicted_ms, step_ms)
+        self._decided = None
+
+    def _drafted_ceilings(
         self,
         caps: Sequence[int],
         cost: StepCost,
         build: BuildCost,
         layout: TokenLayout,
         overhead: StepOverhead,
-    ) -> tuple[int, float]:
-        """The drafting ceiling with the best predicted rate, and that rate."""
+    ) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """The drafting ceilings, their predicted rates over their measured ratios, and their
+        predicted step milliseconds (the models' own, which the ratios are learned against)."""
         assert self.curve is not None
         batch_size = len(caps)
         candidates = powers_of_two_upto(max(caps))
         nodes_built = _nodes_built(caps, candidates)
         draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms + build.ms(batch_size, nodes_built)
-        rates = ceiling_rates(self.curve, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
-        best = int(np.argmax(rates))  # the first (narrowest) of equal rates
-        return candidates[best], float(rates[best])
+        rates, step_ms = ceiling_rates(self.curve, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
+        ratios = np.array([self.residual.ratio(batch_size, c) for c in candidates])
+        return candidates, rates / ratios, step_ms
 
     @staticmethod
     def _first_ceiling(caps: Sequence[int], cost: StepCost, build: BuildCost, overhead: StepOverhead) -> int:
@@ -143,23 +199,22 @@ class DraftGate:
                 affordable = candidate
         return affordable
 
-    def record_curve(self, accept_probs: Sequence[np.ndarray]) -> None:
-        """A drafted step's candidates: per request, calibrated probabilities in best-first order."""
-        width = max((len(p) for p in accept_probs), default=0)
+    def record_curve(self, accept_probs: np.ndarray, lengths: np.ndarray) -> None:
+        """A drafted step's candidates as one matrix: row b holds request b's calibrated
+        probabilities in best-first order, its first `lengths[b]` entries (zeros past them)."""
+        width = int(lengths.max(initial=0))
         if width == 0:
             return
-        sums, counts = np.zeros(width), np.zeros(width)
-        for probs in accept_probs:
-            sums[: len(probs)] += probs
-            counts[: len(probs)] += 1
+        sums = accept_probs[:, :width].sum(axis=0)
+        # Requests whose tree reaches position j: those longer than j.
+        counts = len(lengths) - np.cumsum(np.bincount(lengths, minlength=width + 1))[:width]
         step_curve = sums / np.maximum(counts, 1)
         if self.curve is None:
             self.curve = step_curve
             return
-        merged = np.zeros(max(width, len(self.curve)))
-        merged[: len(self.curve)] = self.curve
-        merged[:width] += self.curve_weight * (step_curve - merged[:width])
-        self.curve = merged
+        if width > len(self.curve):
+            self.curve = np.concatenate((self.curve, np.zeros(width - len(self.curve))))
+        self.curve[:width] += self.curve_weight * (step_curve - self.curve[:width])
 
 
 def _nodes_built(caps: Sequence[int], ceilings: Sequence[int]) -> np.ndarray:

@@ -5,6 +5,9 @@ import numpy as np
 
 def isotonic_increasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """The non-decreasing sequence closest to `values` in weighted squared error: same shape."""
+    values = np.asarray(values, float)
+    if np.all(values[1:] >= values[:-1]):
+        return values.copy()  # already in order: the common case, without the Python loop
     blocks: list[list[float]] = []  # [mean, weight, length] of each pooled run
     for value, weight in zip(
         np.asarray(values, float).tolist(), np.asarray(weights, float).tolist(), strict=True

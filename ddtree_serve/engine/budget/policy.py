@@ -7,10 +7,14 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
     choose(trees, caps)           trees built at the ceiling -> draft nodes per request
     record_build_ms(ms)           after the build stage (trees, choice, verify buffers)
     record_verify_ms(ms)          after the verify call
-    observe(trees, accepted)      the verified trees and their accepted nodes: calibration,
-                                  cost refresh and the step's `BudgetStep` record
+    observe(trees, accepted)      the verified trees and their accepted nodes: the step's
+                                  `BudgetStep` record (what it teaches waits for `learn`)
     record_step_ms(ms)            the whole step's wall time: what its priced parts left out
-                                  (`step_overhead.py`)
+                                  (`step_overhead.py`), and how far the gate's prediction for
+                                  its ceiling was off (`step_residual.py`)
+    learn()                       the observed step's lesson, calibration and cost refresh: the
+                                  engine calls it while the next step's drafter runs; `choose`
+                                  and `observe` call it first, so no lesson is skipped
 The trees verified are `tree_prefix(tree, n)` of the ones built, so the choice reads drafter
 outputs only and verification stays lossless.
 """
@@ -77,7 +81,7 @@ class AdaptiveBudget:
         self.token_buckets = None if token_buckets is None else tuple(token_buckets)
         self.overhead = StepOverhead()
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
-        self._raw_probs = np.zeros(0)  # the last chosen step's drafter probabilities, all built nodes
+        self._raw_probs = np.zeros((0, 0))  # the last chosen step's drafter probabilities [B, built]
         self._built_lengths = np.zeros(0, dtype=np.int64)  # its draft nodes built per request
         self.last_step: BudgetStep | None = None
         self._ceiling = 0
@@ -85,6 +89,7 @@ class AdaptiveBudget:
         self._build_ms: float | None = None
         self._verify_ms: float | None = None
         self._allocation: Allocation | None = None
+        self._lesson: _Lesson | None = None  # the last observed step's, until `learn`
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
@@ -113,64 +118,68 @@ class AdaptiveBudget:
         self._verify_ms = verify_ms
 
     def choose(self, trees: Sequence[DraftTree], caps: Sequence[int]) -> Allocation:
-        """Draft nodes per request for trees built at their ceiling (`caps[i]` at most)."""
-        lengths = np.array([tree.num_nodes - 1 for tree in trees])
-        raw = np.exp(np.concatenate([tree.logws[1:] for tree in trees]))
-        calibrated = self.calibrator.calibrate(raw)  # one call for the batch
+        """Draft nodes per request for trees built at their ceiling (`caps[i]` at most).
+
+        The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
+        the choice runs every step, so its work is a few array operations whatever the batch."""
+        self.learn()
+        lengths = np.fromiter((tree.num_nodes - 1 for tree in trees), np.int64, len(trees))
+        logws = np.full((len(trees), int(lengths.max(initial=0))), -np.inf)
+        for row, (tree, length) in enumerate(zip(trees, lengths.tolist(), strict=True)):
+            logws[row, :length] = tree.logws[1:]
+        raw = np.exp(logws)
+        calibrated = self.calibrator.calibrate(raw)  # 0 stays 0: the map is anchored there
         self._raw_probs, self._built_lengths = raw, lengths  # what `observe` teaches the calibrator
-        accept_probs = np.split(calibrated, np.cumsum(lengths)[:-1])
-        self.gate.record_curve(accept_probs)
+        self.gate.record_curve(calibrated, lengths)
         draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         if self.layout == "padded":
-            rows = np.zeros((len(trees), int(lengths.max(initial=0))))
-            rows[np.arange(rows.shape[1])[None, :] < lengths[:, None]] = calibrated  # row-major
-            usable = np.minimum(lengths, np.maximum(np.asarray(caps), 0))
+            uncut = all(cap >= length for cap, length in zip(caps, lengths.tolist(), strict=True))
+            usable = lengths if uncut else np.minimum(lengths, np.maximum(np.asarray(caps), 0))
             self._allocation = allocate_padded_rows(
-                rows, usable, self.cost, draft_ms=draft_ms, token_buckets=self.token_buckets
+                calibrated,
+                usable,
+                self.cost,
+                draft_ms=draft_ms,
+                token_buckets=self.token_buckets,
+                ordered=uncut,  # the calibrated map is monotone: each row keeps its tree's order
             )
         else:
+            accept_probs = [row[:length] for row, length in zip(calibrated, lengths.tolist(), strict=True)]
             self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
         return self._allocation
 
     def observe(self, trees: Sequence[DraftTree], accepted_nodes: Sequence[Sequence[int]]) -> BudgetStep:
         """Ends a step: the verified trees and each one's accepted draft nodes (root excluded).
 
-        Only drafted steps teach the calibrator; every timed call refreshes the cost curve.
+        The step's record is made now; what it teaches (only drafted steps teach the calibrator,
+        every timed call refreshes the cost curve) waits for `learn`, which the engine calls
+        while the next step's drafter runs, so the lesson costs the step no time of its own.
         """
+        self.learn()  # a lesson never waits behind another: they are learned in step order
         batch_size = len(trees)
         drafted = self._allocation is not None
         verified = [tree.num_nodes - 1 for tree in trees]  # draft nodes each tree verified
-        if self._verify_ms is not None:
-            target_tokens = batch_size * max(tree.num_nodes for tree in trees)  # padded verify batch
-            self.cost.observe_verify(batch_size, target_tokens, self._verify_ms)
-        if self._draft_ms is not None:
-            self.cost.observe_draft(batch_size, self._draft_ms)
-        if self._build_ms is not None and drafted:
-            self.build.observe(batch_size, int(self._built_lengths.sum()), self._build_ms)
-        if drafted:
-            # The verified trees are prefixes of the built ones: their nodes' drafter
-            # probabilities are the first `num_nodes - 1` of each built tree's.
-            built = np.cumsum([0, *self._built_lengths])
-            assert len(verified) == len(self._built_lengths) and all(
-                v <= b for v, b in zip(verified, self._built_lengths, strict=True)
-            ), "observe takes prefixes of the trees `choose` saw, in its order"
-            offsets = np.cumsum([0, *verified])
-            probs = np.concatenate(
-                [self._raw_probs[b : b + n] for b, n in zip(built[:-1], verified, strict=True)]
-            )
-            hits = np.zeros(int(offsets[-1]), dtype=bool)
-            for offset, nodes in zip(offsets[:-1], accepted_nodes, strict=True):
-                hits[[offset + node - 1 for node in nodes]] = True  # node indices count from the root
-            self.calibrator.observe(probs, hits)
+        accepted = tuple(len(nodes) for nodes in accepted_nodes)
         self.last_step = BudgetStep(
             drafted=drafted,
             num_nodes=tuple(verified),
             predicted_per_request=(
                 self._allocation.expected_accepted if self._allocation is not None else (0.0,) * batch_size
             ),
-            accepted_per_request=tuple(len(nodes) for nodes in accepted_nodes),
+            accepted_per_request=accepted,
             ceiling=self._ceiling if drafted else 0,
+        )
+        self._lesson = _Lesson(
+            batch_size=batch_size,
+            target_tokens=batch_size * (max(verified) + 1),  # the padded verify batch
+            draft_ms=self._draft_ms,
+            build_ms=self._build_ms if drafted else None,
+            verify_ms=self._verify_ms,
+            built_lengths=self._built_lengths if drafted else None,
+            raw_probs=self._raw_probs if drafted else None,
+            verified=verified,
+            accepted_nodes=[list(nodes) for nodes in accepted_nodes] if drafted else [],
         )
         self._priced_ms = None
         if not self.probing:  # a probe's drafter call is not timed (it catches up on context)
@@ -178,11 +187,56 @@ class AdaptiveBudget:
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         return self.last_step
 
+    def learn(self) -> None:
+        """Apply the last observed step's lesson, if it is still pending: the cost curve and the
+        build cost from its timings, the calibrator from its verified nodes (`choose` and
+        `observe` call it first, so nothing is chosen from a model that misses a step)."""
+        lesson, self._lesson = self._lesson, None
+        if lesson is None:
+            return
+        if lesson.verify_ms is not None:
+            self.cost.observe_verify(lesson.batch_size, lesson.target_tokens, lesson.verify_ms)
+        if lesson.draft_ms is not None:
+            self.cost.observe_draft(lesson.batch_size, lesson.draft_ms)
+        if lesson.built_lengths is None or lesson.raw_probs is None:
+            return
+        if lesson.build_ms is not None:
+            self.build.observe(lesson.batch_size, int(lesson.built_lengths.sum()), lesson.build_ms)
+        # The verified trees are prefixes of the built ones: their nodes' drafter
+        # probabilities are the first `num_nodes - 1` of each built tree's row.
+        lengths = np.asarray(lesson.verified)
+        assert len(lengths) == len(lesson.built_lengths) and np.all(lengths <= lesson.built_lengths), (
+            "observe takes prefixes of the trees `choose` saw, in its order"
+        )
+        verified_mask = np.arange(lesson.raw_probs.shape[1]) < lengths[:, None]
+        hits = np.zeros(lesson.raw_probs.shape, dtype=bool)
+        rows = [row for row, nodes in enumerate(lesson.accepted_nodes) for _ in nodes]
+        cols = [node - 1 for nodes in lesson.accepted_nodes for node in nodes]  # nodes count from the root
+        hits[rows, cols] = True
+        self.calibrator.observe(lesson.raw_probs[verified_mask], hits[verified_mask])
+        self.calibrator.refresh()
+
     def record_step_ms(self, step_ms: float) -> None:
         """The observed step's wall time (after its prefills): teaches the step overhead."""
         if self.last_step is not None and self._priced_ms is not None:
             self.overhead.observe(self.last_step.drafted, step_ms - self._priced_ms)
         self._priced_ms = None
+        self.gate.record_step_ms(step_ms)
+
+
+@dataclass(frozen=True)
+class _Lesson:
+    """What one observed step teaches the models, kept from `observe` until `learn`."""
+
+    batch_size: int
+    target_tokens: int
+    draft_ms: float | None
+    build_ms: float | None
+    verify_ms: float | None
+    built_lengths: np.ndarray | None  # drafted steps only: draft nodes built per request
+    raw_probs: np.ndarray | None  # ... their drafter probabilities [B, built]
+    verified: list[int]
+    accepted_nodes: list[list[int]]
 
 
 def tree_prefix(tree: DraftTree, num_draft_nodes: int) -> DraftTree:

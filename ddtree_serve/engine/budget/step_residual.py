@@ -1,0 +1,54 @@
+"""How far each ceiling's predicted step time is from what its steps took, learned live.
+
+The gate prices a ceiling from models: the cost curve's forwards, the build's fit, the step
+overhead. What they leave out differs by ceiling and by machine: on the H200 a ceiling-16 step
+at batch 32 took 7.2 ms where its parts predicted about 5 (the drafter's host launch grows with
+its top-K, the host build and the verify walk with the nodes), and the same code on a host a
+third slower ranks the fixed budgets differently. So the gate keeps, per (batch bucket,
+ceiling), an EMA of measured over predicted step time, and divides each candidate's predicted
+rate by it: a ceiling is judged by what its steps cost here, the models only rank the ones not
+yet taken (at the nearest taken ceiling's ratio, so model and measurement are compared alike).
+"""
+
+from dataclasses import dataclass, field
+
+MAX_RATIO = 4.0
+"""A step counts as at most this many times its prediction (or its inverse)."""
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The power of two at or above `batch_size`: the batches one ratio speaks for."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+@dataclass
+class StepResidual:
+    """Measured / predicted step time per (batch bucket, ceiling); 1.0 where nothing is known."""
+
+    ema_weight: float = 0.3
+    _ratios: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ema_weight <= 1.0:
+            raise ValueError("ema_weight must be in [0, 1] (0: the models alone decide)")
+
+    def ratio(self, batch_size: int, ceiling: int) -> float:
+        """The ratio of this ceiling at this batch; a drafting ceiling not yet taken reads the
+        nearest taken one's (in doublings) at the same batch bucket, a plain step only its own."""
+        bucket = batch_bucket(batch_size)
+        known = self._ratios.get((bucket, ceiling))
+        if known is not None or ceiling == 0:
+            return 1.0 if known is None else known
+        taken = [c for b, c in self._ratios if b == bucket and c > 0]
+        if not taken:
+            return 1.0
+        nearest = min(taken, key=lambda c: (abs(c.bit_length() - ceiling.bit_length()), c))
+        return self._ratios[(bucket, nearest)]
+
+    def observe(self, batch_size: int, ceiling: int, predicted_ms: float, measured_ms: float) -> None:
+        """One step at `ceiling` (0: plain) over `batch_size` requests, predicted and measured."""
+        if predicted_ms <= 0.0 or measured_ms <= 0.0:
+            return
+        sample = min(max(measured_ms / predicted_ms, 1.0 / MAX_RATIO), MAX_RATIO)
+        current = self.ratio(batch_size, ceiling)  # a first step starts from what it was read as
+        self._ratios[(batch_bucket(batch_size), ceiling)] = current + self.ema_weight * (sample - current)

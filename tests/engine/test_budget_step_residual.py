@@ -1,0 +1,64 @@
+"""The step residual: each ceiling judged by what its steps took against what the models said."""
+
+import numpy as np
+import pytest
+
+from ddtree_serve.engine.budget import BuildCost, CostCurve, DraftGate
+from ddtree_serve.engine.budget.step_residual import MAX_RATIO, StepResidual, batch_bucket
+
+CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1])
+FREE_BUILD = BuildCost(0.0, 0.0, 0.0)
+
+
+def test_batch_buckets_are_powers_of_two():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
+
+
+def test_a_ratio_follows_its_steps_and_untaken_ceilings_read_the_nearest_taken_one():
+    residual = StepResidual(ema_weight=0.5)
+    assert residual.ratio(8, 16) == 1.0 and residual.ratio(8, 0) == 1.0  # nothing known
+    for _ in range(30):
+        residual.observe(8, 16, predicted_ms=4.0, measured_ms=6.0)
+    assert residual.ratio(8, 16) == pytest.approx(1.5, rel=1e-3)
+    assert residual.ratio(7, 16) == pytest.approx(1.5, rel=1e-3)  # the same batch bucket
+    assert residual.ratio(8, 32) == pytest.approx(1.5, rel=1e-3)  # nearest taken drafting ceiling
+    assert residual.ratio(8, 0) == 1.0  # a plain step reads only its own
+    assert residual.ratio(16, 16) == 1.0  # another bucket
+    residual.observe(8, 4, predicted_ms=4.0, measured_ms=4.0)
+    assert residual.ratio(8, 2) == pytest.approx(1.25)  # started from 16's 1.5, halfway to 1.0
+    residual.observe(8, 0, predicted_ms=1.0, measured_ms=1000.0)  # a captured graph, say
+    assert residual.ratio(8, 0) == pytest.approx(1.0 + 0.5 * (MAX_RATIO - 1.0))
+
+
+def flat_cost(verify_ms: float, draft_ms: float) -> CostCurve:
+    """Every verify costs `verify_ms` whatever its size; every drafter call `draft_ms`."""
+    tokens = np.array([1.0, 4096.0])
+    return CostCurve([1, 64], tokens, [[verify_ms, verify_ms]] * 2, draft_ms=[draft_ms, draft_ms])
+
+
+def test_a_ceiling_whose_steps_cost_more_than_predicted_gives_way():
+    """The models price every width alike, so the gate takes the widest ceiling; its steps take
+    three times their prediction (host work the models miss), narrower ones what they predict:
+    once a probe has taken the narrower ceiling, the gate moves there and stays."""
+    gate = DraftGate(probe_interval=3)
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    cost = flat_cost(verify_ms=4.0, draft_ms=1.0)
+    chosen = []
+    for _ in range(24):
+        chosen.append(gate.ceiling([16, 16], cost, FREE_BUILD, "padded"))
+        gate.record_step_ms(3.0 * 5.0 if chosen[-1] == 16 else 5.0)  # predicted: 1 ms draft + 4 ms verify
+    assert chosen[0] == 16 and 8 in chosen
+    settled = chosen[chosen.index(8) + 1 :]
+    assert settled.count(8) >= len(settled) - len(settled) // 3  # 8 but for its probes
+
+
+def test_a_probe_after_plain_steps_teaches_no_ratio():
+    gate = DraftGate(probe_interval=2)
+    gate.record_curve(CONFIDENT[None, :] * 0.1, np.array([len(CONFIDENT)]))
+    cost = flat_cost(verify_ms=4.0, draft_ms=40.0)  # drafting is a clear loss: plain, then probes
+    for _ in range(20):
+        ceiling = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
+        gate.record_step_ms(500.0 if gate.probing else 4.0)
+        assert ceiling == 0 or gate.probing
+    assert gate.residual.ratio(2, 16) == 1.0 and gate.residual.ratio(2, 1) == 1.0
+    assert gate.residual.ratio(2, 0) == pytest.approx(1.0)
