@@ -1,14 +1,16 @@
 """Adaptive vs fixed tree budgets across concurrency, and a simulated sweep over a cost file.
 
-Live mode (default): the in-process engine over one model pair (the bundled one by default)
-runs the same greedy prompts at each concurrency with plain decoding (ar), DDTree at fixed
-budgets, and the adaptive budget (`budget_policy="adaptive"`), one run each, and reports
-generated tokens per second. The adaptive engine's start-up cost calibration runs once, before
-the sweep (its curve is saved, for simulations); one adaptive policy then lives through the whole
-sweep, as in a server whose load changes: what it learned at one concurrency (acceptance
-calibration, live costs, step-time ratios per batch bucket) it keeps at the next.
-The fixed run at the largest budget records per-step acceptance traces (each request's full
-best-first tree and the nodes verification accepted), saved for the simulation.
+Live mode (default): the in-process engine over one model pair (the bundled one by default) runs
+the same greedy prompts at each concurrency with plain decoding (ar), DDTree at fixed budgets,
+and the adaptive budget (`budget_policy="adaptive"`), and reports generated tokens per second:
+each configuration's median over `--repeats` timed runs, taken round-robin across the
+configurations after `--warmup-runs` untimed ones (so drift on a shared machine falls on all
+alike, and one noisy run does not make a configuration the best). The adaptive engine's start-up
+cost calibration runs once, before the sweep (its curve is saved, for simulations); one adaptive
+policy then lives through the whole sweep, as in a server whose load changes: what it learned at
+one concurrency (acceptance calibration, live costs, step-time ratios per batch bucket) it keeps
+at the next. The fixed run at the largest budget records per-step acceptance traces (each
+request's full best-first tree and the nodes verification accepted), saved for the simulation.
 
     python bench/budget_sweep.py --max-tokens 32                    # CPU, bundled pair
     python bench/budget_sweep.py --device cuda --dtype bfloat16 --max-tokens 256
@@ -197,8 +199,13 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep]]:
         )
         configs.append(("adaptive", adaptive))
         row: dict = {"concurrency": concurrency}
-        for name, engine in configs:
-            row[name] = _tokens_per_s(engine, prompts, concurrency, args.max_tokens, args.warmup_runs)
+        samples: dict[str, list[float]] = {name: [] for name, _ in configs}
+        for run in range(args.warmup_runs + args.repeats):  # round-robin: drift falls on all alike
+            for name, engine in configs:
+                rate = _tokens_per_s(engine, prompts, concurrency, args.max_tokens, tag=str(run))
+                if run >= args.warmup_runs:
+                    samples[name].append(rate)
+        row.update({name: float(np.median(rates)) for name, rates in samples.items()})
         rows.append(row)
         print(_row_line(row), flush=True)
     return rows, recorder.steps
@@ -216,22 +223,17 @@ def _engine(config: EngineConfig, policy: str, target, drafter, tokenizer) -> Sp
 
 
 def _tokens_per_s(
-    engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, warmup_runs: int
+    engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, tag: str
 ) -> float:
-    """Generated tokens/s of the last of `warmup_runs + 1` identical runs.
-
-    The untimed runs take first-use costs out of the figure: on CUDA, graphs are captured the
-    first time a (batch, tokens, rows) bucket is met, and the adaptive budget meets new ones.
-    """
+    """Generated tokens/s of one run of `concurrency` identical-length requests."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for run in range(warmup_runs + 1):
-        for i in range(concurrency):
-            engine.add_request(f"{run}-{i}", prompts[i % len(prompts)], params)
-        started = time.perf_counter()
-        num_tokens = 0
-        while engine.has_unfinished_requests():
-            num_tokens += sum(out.num_new_tokens for out in engine.step())
-        elapsed = time.perf_counter() - started
+    for i in range(concurrency):
+        engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
+    started = time.perf_counter()
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        num_tokens += sum(out.num_new_tokens for out in engine.step())
+    elapsed = time.perf_counter() - started
     return num_tokens / elapsed
 
 
@@ -415,7 +417,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument(
-        "--warmup-runs", type=int, default=1, help="untimed runs before each timed one (graph capture)"
+        "--warmup-runs",
+        type=int,
+        default=1,
+        help="untimed runs of each configuration first (CUDA graphs met the first time, the "
+        "adaptive policy learning the load)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of each configuration; the median counts"
     )
     parser.add_argument(
         "--simulate-cost", type=Path, default=None, help="cost curve JSON: simulate, run no model"

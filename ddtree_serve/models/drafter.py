@@ -123,8 +123,12 @@ class DFlashDrafter:
             return
         self.cache.check_room(slots, counts)
         starts = self.cache.slot_lengths(slots)
-        slot_rows = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(counts))  # [M] host
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+        # [M] host each, built as Python lists: under cProfile on the H200 host the tensor-op
+        # form (repeat_interleave, arange per slot, cat) took 0.35 ms a step at batch 16.
+        pairs = list(zip(slots, starts, counts, strict=True))
+        slot_rows = torch.tensor([slot for slot, _, n in pairs for _ in range(n)], dtype=torch.int64)
+        new_positions = [i for _, start, n in pairs for i in range(start, start + n)]
+        positions = torch.tensor(new_positions, dtype=torch.int64)
         if self.graphs is None or not self.graphs.append_context(new_context_features, slot_rows, positions):
             device = self.device
             features = torch.cat([f.to(device=device, dtype=self.dtype) for f in new_context_features])

@@ -25,9 +25,13 @@ def test_a_ratio_follows_its_steps_and_untaken_ceilings_read_the_nearest_taken_o
     assert residual.ratio(8, 0) == 1.0  # a plain step reads only its own
     assert residual.ratio(16, 16) == 1.0  # another bucket
     residual.observe(8, 4, predicted_ms=4.0, measured_ms=4.0)
-    assert residual.ratio(8, 2) == pytest.approx(1.25)  # started from 16's 1.5, halfway to 1.0
+    assert residual.ratio(8, 4) == 1.0 and residual.ratio(8, 2) == 1.0  # a first step is all it knows
+    residual.observe(8, 0, predicted_ms=1.0, measured_ms=1.0)
     residual.observe(8, 0, predicted_ms=1.0, measured_ms=1000.0)  # a captured graph, say
     assert residual.ratio(8, 0) == pytest.approx(1.0 + 0.5 * (MAX_RATIO - 1.0))
+    frozen = StepResidual(ema_weight=0.0)
+    frozen.observe(8, 16, predicted_ms=4.0, measured_ms=6.0)
+    assert frozen.ratio(8, 16) == 1.0
 
 
 def flat_cost(verify_ms: float, draft_ms: float) -> CostCurve:

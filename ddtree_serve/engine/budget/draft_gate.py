@@ -35,6 +35,9 @@ FIRST_STEP_PLAIN_STEPS = 4.0
 RECHECK_SHIFT = 0.05
 """A plain streak decides again once its plain step's predicted price moved this much (a share)."""
 
+DRAFTED_RECHECK_STEPS = 4
+"""A drafting streak over the same batch decides again after this many steps."""
+
 FIRST_PROBE_INTERVAL = 2
 """Drafted steps at a new choice before the first probe of its neighbours."""
 
@@ -63,10 +66,14 @@ class DraftGate:
         self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, probe_interval)
         self._last_best: int | None = None
         self.probing = False  # the last ceiling is a probe after plain steps
-        # (batch size, cap) of the plain streak under way (None while drafting) and the plain
-        # step's price when it was decided: see `ceiling`.
-        self._plain_streak: tuple[int, int] | None = None
-        self._plain_streak_ms = 0.0
+        # (batch size, cap) of the streak under way (None: decide the next step), its choice,
+        # its steps since decided, and the predicted ms of its step (a plain step's: its price
+        # when decided): see `ceiling`.
+        self._streak: tuple[int, int] | None = None
+        self._streak_choice = 0
+        self._streak_age = 0
+        self._streak_ms = 0.0
+        self._streak_prices = (0.0, 0.0)  # plain step and drafter call, predicted when decided
         self.residual = StepResidual()
         self._next_probe_wider = True  # a drafting probe's direction: it flips at each one
         # (batch size, ceiling, predicted step ms) of the step the last `ceiling` decided, for
@@ -94,18 +101,22 @@ class DraftGate:
         batch_size = len(caps)
         plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
         streak = (batch_size, cap)
-        if (
-            streak == self._plain_streak
-            and self.num_narrow_steps < self.plain_probe_interval
-            and abs(plain_ms - self._plain_streak_ms) <= RECHECK_SHIFT * self._plain_streak_ms
-        ):
-            # A plain streak over the same batch decides again when its probe is due or its
-            # step's price moved: without a draft the curve stands still, and on a fast target
-            # the whole decision would cost a tenth of the plain step.
+        draft_ms = cost.draft_ms(batch_size)
+        if streak == self._streak and self._streak_holds(plain_ms, draft_ms):
+            # A streak over the same batch keeps its choice until its probe is due, and decides
+            # again when a plain step's price moved (without a draft the curve stands still),
+            # or, drafting, when the drafter's did or the streak is `DRAFTED_RECHECK_STEPS`
+            # old: on a fast target the decision costs a tenth of a step, one step's curve
+            # moves it little.
             self.num_narrow_steps += 1
+            self._streak_age += 1
             self.probing = False
-            self._decided = (batch_size, 0, plain_ms)
-            return 0
+            self._decided = (
+                batch_size,
+                self._streak_choice,
+                plain_ms if self._streak_choice == 0 else self._streak_ms,
+            )
+            return self._streak_choice
         clear_loss = False  # drafting predicted well below plain decoding
         if self.curve is None:
             best = drafted = self._first_ceiling(caps, cost, build, overhead)
@@ -136,11 +147,26 @@ class DraftGate:
         elif chosen > 0:
             self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
         self.num_narrow_steps = 0 if chosen != best else self.num_narrow_steps + 1
-        self._plain_streak = streak if chosen == 0 else None
-        self._plain_streak_ms = plain_ms
+        self._decided = None
         if not self.probing and chosen in predicted_ms:
             self._decided = (batch_size, chosen, predicted_ms[chosen])  # a probe drafts a few only
+        # A probe, or the first step, is its own decision; the best choice starts a streak.
+        self._streak = streak if chosen == best and self._decided is not None else None
+        self._streak_choice, self._streak_age = chosen, 0
+        self._streak_ms = plain_ms if chosen == 0 else predicted_ms.get(chosen, 0.0)
+        self._streak_prices = (plain_ms, draft_ms)
         return chosen
+
+    def _streak_holds(self, plain_ms: float, draft_ms: float) -> bool:
+        """Whether the streak under way keeps its choice this step (see `ceiling`)."""
+        moved = [
+            abs(now - then) > RECHECK_SHIFT * then
+            for now, then in zip((plain_ms, draft_ms), self._streak_prices, strict=True)
+        ]
+        if self._streak_choice == 0:
+            return self.num_narrow_steps < self.plain_probe_interval and not moved[0]
+        due = self.num_narrow_steps >= self.drafted_probe_interval
+        return not due and not any(moved) and self._streak_age < DRAFTED_RECHECK_STEPS
 
     def _probe_ceiling(self, best: int, cap: int) -> int:
         """A drafting probe's ceiling: alternately twice the choice (the curve past it stays

@@ -246,6 +246,8 @@ def tree_prefix(tree: DraftTree, num_draft_nodes: int) -> DraftTree:
     a prefix is ancestor-closed and keeps both orders.
     """
     end = min(num_draft_nodes, tree.num_nodes - 1) + 1
+    if end == tree.num_nodes:
+        return tree  # the whole tree: nothing writes a built tree, so no copy
     return DraftTree(
         token_ids=tree.token_ids[:end],
         depths=tree.depths[:end],

@@ -47,8 +47,12 @@ class StepResidual:
 
     def observe(self, batch_size: int, ceiling: int, predicted_ms: float, measured_ms: float) -> None:
         """One step at `ceiling` (0: plain) over `batch_size` requests, predicted and measured."""
-        if predicted_ms <= 0.0 or measured_ms <= 0.0:
-            return
+        if predicted_ms <= 0.0 or measured_ms <= 0.0 or self.ema_weight == 0.0:
+            return  # nothing to learn from, or frozen (the models alone decide)
         sample = min(max(measured_ms / predicted_ms, 1.0 / MAX_RATIO), MAX_RATIO)
-        current = self.ratio(batch_size, ceiling)  # a first step starts from what it was read as
-        self._ratios[(batch_bucket(batch_size), ceiling)] = current + self.ema_weight * (sample - current)
+        key = (batch_bucket(batch_size), ceiling)
+        current = self._ratios.get(key)
+        if current is None:  # a ceiling's first step is all that is known of it (often a probe)
+            self._ratios[key] = sample
+        else:
+            self._ratios[key] = current + self.ema_weight * (sample - current)
