@@ -270,6 +270,9 @@ class SpecEngine:
                 requests = requests[:PROBE_REQUESTS]
         contexts = [tuple(r.pending_contexts) for r in requests]
         assert all(contexts), "every running request has undrafted context"
+        # A draft that takes a prompt's context (a newcomer's first) or several steps' (after
+        # plain steps) is not what a step at its ceiling costs: the policy learns no cost from it.
+        catching_up = any(r.steps == 0 or len(r.pending_contexts) > 1 for r in requests)
         bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
         draft_input = DraftInput([_slot(r) for r in requests], bonus_tokens, contexts, top_k)
         started = time.perf_counter()
@@ -284,8 +287,10 @@ class SpecEngine:
             self.budget_policy.learn()
             logp, ids = topk_on_host(draft.logp, draft.ids)
             draft = DraftOutput(logp, ids, draft.num_context_tokens)
-            if not self.budget_policy.probing:
-                self.budget_policy.record_draft_ms(1000.0 * (time.perf_counter() - started))
+            draft_ms = 1000.0 * (time.perf_counter() - started)
+            self.budget_policy.record_draft_ms(
+                draft_ms, catching_up=catching_up or self.budget_policy.probing
+            )
         for request in requests:
             request.pending_contexts = []
         _check_positions(requests, draft.num_context_tokens)

@@ -67,3 +67,23 @@ def test_the_policy_learns_the_overhead_from_the_engines_step_times():
         policy.record_step_ms(1.0 + 0.2 + 20.0 + 4.0)
     assert sum(kinds) > 30  # drafting pays here: the overhead is learned from drafted steps
     assert policy.overhead.drafted_ms == pytest.approx(4.0, rel=0.05)
+
+
+def test_a_draft_that_catches_up_on_context_teaches_no_cost():
+    """A newcomer's first draft takes its whole prompt's context: its time, and its step's, say
+    nothing of what a step at that ceiling costs."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    tree = build_ddtree(*draft_topk(logits, 4), 8, root_token=7)
+    policy = AdaptiveBudget(flat_cost(verify_ms=2.0, draft_ms=1.0))
+    policy.gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    for _ in range(3):
+        assert policy.plan([8]) > 0
+        policy.record_draft_ms(50.0, catching_up=True)
+        allocation = policy.choose([tree], [8])
+        policy.record_verify_ms(2.0)
+        policy.observe([tree_prefix(tree, allocation.num_nodes[0])], [[1]])
+        policy.record_step_ms(80.0)
+        policy.learn()
+    assert policy.cost.draft_ms(1) == pytest.approx(1.0)
+    assert policy.overhead.drafted_ms == 0.0
+    assert policy.gate.residual.ratio(1, policy.ceiling) == 1.0

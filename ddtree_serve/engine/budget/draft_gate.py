@@ -179,7 +179,8 @@ class DraftGate:
         return narrower or best
 
     def record_step_ms(self, step_ms: float) -> None:
-        """The wall time of the step the last `ceiling` decided: teaches that ceiling's ratio."""
+        """The wall time of the step the last `ceiling` decided: teaches that ceiling's ratio
+        (the policy gives none of a step whose draft caught up on context)."""
         if self._decided is not None:
             batch_size, ceiling, predicted_ms = self._decided
             self.residual.observe(batch_size, ceiling, predicted_ms, step_ms)

@@ -3,7 +3,7 @@
 One step calls, in pipeline order (the policy holds the step's figures in between):
     plan(caps)                    before drafting: the step's tree ceiling, 0 = a plain decode
                                   step (root-only trees); the drafter's top-K and the build use it
-    record_draft_ms(ms)           after the drafter call, when there was one
+    record_draft_ms(ms, catching_up)  after the drafter call, when there was one
     choose(trees, caps)           trees built at the ceiling -> draft nodes per request
     record_build_ms(ms)           after the build stage (trees, choice, verify buffers)
     record_verify_ms(ms)          after the verify call
@@ -90,10 +90,12 @@ class AdaptiveBudget:
         self._verify_ms: float | None = None
         self._allocation: Allocation | None = None
         self._lesson: _Lesson | None = None  # the last observed step's, until `learn`
+        self._catching_up = False  # the step's draft took more context than one step's
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
+        self._catching_up = False
         self._ceiling = self.gate.ceiling(caps, self.cost, self.build, self.layout, self.overhead)
         return self._ceiling
 
@@ -108,7 +110,12 @@ class AdaptiveBudget:
         may draft a few of its requests (the others verify root-only trees)."""
         return self.gate.probing
 
-    def record_draft_ms(self, draft_ms: float) -> None:
+    def record_draft_ms(self, draft_ms: float, catching_up: bool = False) -> None:
+        """The drafter call's milliseconds (this step's choice counts them). `catching_up`: it
+        also took context beyond one step's (a newcomer's prompt, steps skipped): neither it nor
+        its step's wall time teaches a cost (the drafter's curve, the step overhead, the
+        ceiling's ratio)."""
+        self._catching_up = catching_up
         self._draft_ms = draft_ms
 
     def record_build_ms(self, build_ms: float) -> None:
@@ -173,7 +180,7 @@ class AdaptiveBudget:
         self._lesson = _Lesson(
             batch_size=batch_size,
             target_tokens=batch_size * (max(verified) + 1),  # the padded verify batch
-            draft_ms=self._draft_ms,
+            draft_ms=None if self._catching_up else self._draft_ms,
             build_ms=self._build_ms if drafted else None,
             verify_ms=self._verify_ms,
             built_lengths=self._built_lengths if drafted else None,
@@ -182,7 +189,7 @@ class AdaptiveBudget:
             accepted_nodes=[list(nodes) for nodes in accepted_nodes] if drafted else [],
         )
         self._priced_ms = None
-        if not self.probing:  # a probe's drafter call is not timed (it catches up on context)
+        if not self._catching_up:
             self._priced_ms = sum(ms for ms in (self._draft_ms, self._build_ms, self._verify_ms) if ms)
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         return self.last_step
@@ -220,8 +227,8 @@ class AdaptiveBudget:
         """The observed step's wall time (after its prefills): teaches the step overhead."""
         if self.last_step is not None and self._priced_ms is not None:
             self.overhead.observe(self.last_step.drafted, step_ms - self._priced_ms)
+            self.gate.record_step_ms(step_ms)
         self._priced_ms = None
-        self.gate.record_step_ms(step_ms)
 
 
 @dataclass(frozen=True)
