@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 
 from ddtree_serve.engine.budget import BuildCost, CostCurve, DraftGate
-from ddtree_serve.engine.budget.step_residual import MAX_RATIO, StepResidual, batch_bucket
+from ddtree_serve.engine.budget.step_residual import (
+    MAX_RATIO,
+    MAX_STEP_MOVE,
+    SHRINK_SAMPLES,
+    STALE_HALF_LIFE_STEPS,
+    StepResidual,
+    batch_bucket,
+)
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1])
 FREE_BUILD = BuildCost(0.0, 0.0, 0.0)
@@ -17,21 +24,42 @@ def test_batch_buckets_are_powers_of_two():
 def test_a_ratio_follows_its_steps_and_untaken_ceilings_read_the_nearest_taken_one():
     residual = StepResidual(ema_weight=0.5)
     assert residual.ratio(8, 16) == 1.0 and residual.ratio(8, 0) == 1.0  # nothing known
-    for _ in range(30):
+    for _ in range(40):
         residual.observe(8, 16, predicted_ms=4.0, measured_ms=6.0)
-    assert residual.ratio(8, 16) == pytest.approx(1.5, rel=1e-3)
-    assert residual.ratio(7, 16) == pytest.approx(1.5, rel=1e-3)  # the same batch bucket
-    assert residual.ratio(8, 32) == pytest.approx(1.5, rel=1e-3)  # nearest taken drafting ceiling
+    assert residual.ratio(8, 16) == pytest.approx(1.0 + 40 / (40 + SHRINK_SAMPLES) * 0.5)
+    assert residual.ratio(7, 16) == residual.ratio(8, 16)  # the same batch bucket
+    assert residual.ratio(8, 32) == residual.ratio(8, 16)  # nearest taken drafting ceiling
     assert residual.ratio(8, 0) == 1.0  # a plain step reads only its own
     assert residual.ratio(16, 16) == 1.0  # another bucket
-    residual.observe(8, 4, predicted_ms=4.0, measured_ms=4.0)
-    assert residual.ratio(8, 4) == 1.0 and residual.ratio(8, 2) == 1.0  # a first step is all it knows
-    residual.observe(8, 0, predicted_ms=1.0, measured_ms=1.0)
-    residual.observe(8, 0, predicted_ms=1.0, measured_ms=1000.0)  # a captured graph, say
-    assert residual.ratio(8, 0) == pytest.approx(1.0 + 0.5 * (MAX_RATIO - 1.0))
     frozen = StepResidual(ema_weight=0.0)
     frozen.observe(8, 16, predicted_ms=4.0, measured_ms=6.0)
     assert frozen.ratio(8, 16) == 1.0
+
+
+def test_one_noisy_step_moves_a_ratio_a_little():
+    """A first step three times its prediction (the process descheduled) is a third of what it
+    says; later ones move the EMA by at most a factor MAX_STEP_MOVE of where it stands."""
+    residual = StepResidual(ema_weight=0.5)
+    residual.observe(1, 16, predicted_ms=10.0, measured_ms=30.0)
+    assert residual.ratio(1, 16) == pytest.approx(1.0 + (3.0 - 1.0) / (1 + SHRINK_SAMPLES))
+    residual.observe(1, 0, predicted_ms=1.0, measured_ms=1.0)
+    residual.observe(1, 0, predicted_ms=1.0, measured_ms=1000.0)  # a captured graph, say
+    ema = 1.0 + 0.5 * (MAX_STEP_MOVE - 1.0)
+    assert residual.ratio(1, 0) == pytest.approx(1.0 + 2 / (2 + SHRINK_SAMPLES) * (ema - 1.0))
+    residual.observe(1, 4, predicted_ms=1.0, measured_ms=100.0)
+    assert residual.ratio(1, 4) == pytest.approx(1.0 + (MAX_RATIO - 1.0) / (1 + SHRINK_SAMPLES))
+
+
+def test_a_ratio_not_refreshed_fades_toward_the_models():
+    """A ceiling the engine turned away from (its steps took twice their prediction) reads half
+    as far from 1 after STALE_HALF_LIFE_STEPS steps of another ceiling: it is tried again."""
+    residual = StepResidual(ema_weight=0.5)
+    for _ in range(40):
+        residual.observe(4, 16, predicted_ms=5.0, measured_ms=10.0)
+    fresh = residual.ratio(4, 16)
+    for _ in range(int(STALE_HALF_LIFE_STEPS)):
+        residual.observe(4, 0, predicted_ms=1.0, measured_ms=1.0)
+    assert residual.ratio(4, 16) - 1.0 == pytest.approx(0.5 * (fresh - 1.0))
 
 
 def flat_cost(verify_ms: float, draft_ms: float) -> CostCurve:

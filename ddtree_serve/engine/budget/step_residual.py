@@ -8,12 +8,28 @@ third slower ranks the fixed budgets differently. So the gate keeps, per (batch 
 ceiling), an EMA of measured over predicted step time, and divides each candidate's predicted
 rate by it: a ceiling is judged by what its steps cost here, the models only rank the ones not
 yet taken (at the nearest taken ceiling's ratio, so model and measurement are compared alike).
+
+Step times are noisy (a descheduled process, a shared 2-core CI machine), and one bad step must
+not turn the engine away from a ceiling it then never measures again: a ratio is shrunk toward
+1 (the models' own word) by its sample count, `n / (n + SHRINK_SAMPLES)`, and one sample moves
+the EMA by at most a factor `MAX_STEP_MOVE` of where it stands. What a ratio says also fades
+toward 1 with the steps since its last sample (half-life `STALE_HALF_LIFE_STEPS`): a ceiling the
+engine has turned away from is tried again some time later, when load or host may have changed.
 """
 
 from dataclasses import dataclass, field
 
 MAX_RATIO = 4.0
 """A step counts as at most this many times its prediction (or its inverse)."""
+
+MAX_STEP_MOVE = 2.0
+"""A sample counts as at most this many times the ratio's EMA (or its inverse)."""
+
+SHRINK_SAMPLES = 2.0
+"""Pseudo-samples at ratio 1 behind every ratio: one step is a third of what it says."""
+
+STALE_HALF_LIFE_STEPS = 64.0
+"""Steps (of any ceiling) after which an unrefreshed ratio says half what it did."""
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -22,11 +38,26 @@ def batch_bucket(batch_size: int) -> int:
 
 
 @dataclass
+class _Ratio:
+    ema: float
+    samples: int
+    last_step: int  # the residual's step count at its last sample
+
+    def value(self, step: int) -> float:
+        trust = self.samples / (self.samples + SHRINK_SAMPLES)
+        trust *= 0.5 ** ((step - self.last_step) / STALE_HALF_LIFE_STEPS)
+        return 1.0 + trust * (self.ema - 1.0)
+
+
+@dataclass
 class StepResidual:
-    """Measured / predicted step time per (batch bucket, ceiling); 1.0 where nothing is known."""
+    """Measured / predicted step time per (batch bucket, ceiling); 1.0 where nothing is known.
+
+    `ema_weight` 0 freezes it (the models alone decide)."""
 
     ema_weight: float = 0.3
-    _ratios: dict[tuple[int, int], float] = field(default_factory=dict)
+    _ratios: dict[tuple[int, int], _Ratio] = field(default_factory=dict)
+    _steps: int = 0  # steps observed, any ceiling: the clock ratios go stale by
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ema_weight <= 1.0:
@@ -38,21 +69,25 @@ class StepResidual:
         bucket = batch_bucket(batch_size)
         known = self._ratios.get((bucket, ceiling))
         if known is not None or ceiling == 0:
-            return 1.0 if known is None else known
+            return 1.0 if known is None else known.value(self._steps)
         taken = [c for b, c in self._ratios if b == bucket and c > 0]
         if not taken:
             return 1.0
         nearest = min(taken, key=lambda c: (abs(c.bit_length() - ceiling.bit_length()), c))
-        return self._ratios[(bucket, nearest)]
+        return self._ratios[(bucket, nearest)].value(self._steps)
 
     def observe(self, batch_size: int, ceiling: int, predicted_ms: float, measured_ms: float) -> None:
         """One step at `ceiling` (0: plain) over `batch_size` requests, predicted and measured."""
         if predicted_ms <= 0.0 or measured_ms <= 0.0 or self.ema_weight == 0.0:
-            return  # nothing to learn from, or frozen (the models alone decide)
+            return  # nothing to learn from, or frozen
+        self._steps += 1
         sample = min(max(measured_ms / predicted_ms, 1.0 / MAX_RATIO), MAX_RATIO)
         key = (batch_bucket(batch_size), ceiling)
-        current = self._ratios.get(key)
-        if current is None:  # a ceiling's first step is all that is known of it (often a probe)
-            self._ratios[key] = sample
-        else:
-            self._ratios[key] = current + self.ema_weight * (sample - current)
+        known = self._ratios.get(key)
+        if known is None:
+            self._ratios[key] = _Ratio(sample, 1, self._steps)
+            return
+        sample = min(max(sample, known.ema / MAX_STEP_MOVE), known.ema * MAX_STEP_MOVE)
+        known.ema += self.ema_weight * (sample - known.ema)
+        known.samples += 1
+        known.last_step = self._steps
