@@ -82,6 +82,7 @@ class AdaptiveBudget:
         self.overhead = StepOverhead()
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
         self._raw_probs = np.zeros((0, 0))  # the last chosen step's drafter probabilities [B, built]
+        self._calibrated = np.zeros((0, 0))
         self._built_lengths = np.zeros(0, dtype=np.int64)  # its draft nodes built per request
         self.last_step: BudgetStep | None = None
         self._ceiling = 0
@@ -96,6 +97,8 @@ class AdaptiveBudget:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         self._catching_up = False
+        if self.gate.curve is None:
+            self.learn()  # the first drafted step's trees give the gate its curve before it decides
         self._ceiling = self.gate.ceiling(caps, self.cost, self.build, self.layout, self.overhead)
         return self._ceiling
 
@@ -137,7 +140,7 @@ class AdaptiveBudget:
         raw = np.exp(logws)
         calibrated = self.calibrator.calibrate(raw)  # 0 stays 0: the map is anchored there
         self._raw_probs, self._built_lengths = raw, lengths  # what `observe` teaches the calibrator
-        self.gate.record_curve(calibrated, lengths)
+        self._calibrated = calibrated  # ... and the gate's recent curve (`learn`)
         draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         if self.layout == "padded":
@@ -185,6 +188,7 @@ class AdaptiveBudget:
             verify_ms=self._verify_ms,
             built_lengths=self._built_lengths if drafted else None,
             raw_probs=self._raw_probs if drafted else None,
+            calibrated=self._calibrated if drafted else None,
             verified=verified,
             accepted_nodes=[list(nodes) for nodes in accepted_nodes] if drafted else [],
         )
@@ -205,8 +209,9 @@ class AdaptiveBudget:
             self.cost.observe_verify(lesson.batch_size, lesson.target_tokens, lesson.verify_ms)
         if lesson.draft_ms is not None:
             self.cost.observe_draft(lesson.batch_size, lesson.draft_ms)
-        if lesson.built_lengths is None or lesson.raw_probs is None:
+        if lesson.built_lengths is None or lesson.raw_probs is None or lesson.calibrated is None:
             return
+        self.gate.record_curve(lesson.calibrated, lesson.built_lengths)
         if lesson.build_ms is not None:
             self.build.observe(lesson.batch_size, int(lesson.built_lengths.sum()), lesson.build_ms)
         # The verified trees are prefixes of the built ones: their nodes' drafter
@@ -242,6 +247,7 @@ class _Lesson:
     verify_ms: float | None
     built_lengths: np.ndarray | None  # drafted steps only: draft nodes built per request
     raw_probs: np.ndarray | None  # ... their drafter probabilities [B, built]
+    calibrated: np.ndarray | None  # ... and those calibrated, as `choose` saw them
     verified: list[int]
     accepted_nodes: list[list[int]]
 
