@@ -49,14 +49,15 @@ class AcceptanceCalibrator:
         bins = np.floor((logits + _LOGIT_LIMIT) / self._bin_width)
         return np.clip(bins, 0, self.num_bins - 1).astype(np.int64)
 
-    def observe(self, drafter_probs: np.ndarray, accepted: np.ndarray) -> None:
-        """One verify step's nodes (any requests, root excluded) and whether each was accepted."""
+    def observe(self, drafter_probs: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
+        """The nodes of `steps` verify steps (any requests, root excluded) and whether each was
+        accepted; the statistics decay once per step."""
         probs = np.asarray(drafter_probs, dtype=np.float64).reshape(-1)
         hits = np.asarray(accepted, dtype=np.float64).reshape(-1)
         if probs.shape != hits.shape:
             raise ValueError(f"{probs.shape[0]} probabilities for {hits.shape[0]} outcomes")
         bins = self.bin_index(probs)
-        self._stats *= self.decay
+        self._stats *= self.decay**steps
         self._stats[0] += np.bincount(bins, minlength=self.num_bins)
         self._stats[1] += np.bincount(bins, weights=hits, minlength=self.num_bins)
         self._stats[2] += np.bincount(bins, weights=probs, minlength=self.num_bins)

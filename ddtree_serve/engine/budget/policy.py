@@ -32,6 +32,10 @@ from ddtree_serve.engine.budget.draft_gate import DraftGate
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.tree import DraftTree
 
+CALIBRATION_STEPS = 4
+"""Drafted steps whose verified nodes the calibrator learns in one update: its statistics move
+little per step (decay 0.995), and the refit costs more host time than a fast step spares."""
+
 
 @dataclass(frozen=True)
 class BudgetStep:
@@ -92,6 +96,9 @@ class AdaptiveBudget:
         self._allocation: Allocation | None = None
         self._lesson: _Lesson | None = None  # the last observed step's, until `learn`
         self._catching_up = False  # the step's draft took more context than one step's
+        # Verified nodes (drafter probabilities, accepted or not) of drafted steps not yet taught
+        # to the calibrator: it learns `CALIBRATION_STEPS` steps' at once (one update, one refit).
+        self._calibration_batch: list[tuple[np.ndarray, np.ndarray]] = []
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
@@ -225,8 +232,12 @@ class AdaptiveBudget:
         rows = [row for row, nodes in enumerate(lesson.accepted_nodes) for _ in nodes]
         cols = [node - 1 for nodes in lesson.accepted_nodes for node in nodes]  # nodes count from the root
         hits[rows, cols] = True
-        self.calibrator.observe(lesson.raw_probs[verified_mask], hits[verified_mask])
-        self.calibrator.refresh()
+        self._calibration_batch.append((lesson.raw_probs[verified_mask], hits[verified_mask]))
+        if len(self._calibration_batch) >= CALIBRATION_STEPS:
+            probs, accepted = (np.concatenate(parts) for parts in zip(*self._calibration_batch, strict=True))
+            self.calibrator.observe(probs, accepted, steps=len(self._calibration_batch))
+            self.calibrator.refresh()
+            self._calibration_batch = []
 
     def record_step_ms(self, step_ms: float) -> None:
         """The observed step's wall time (after its prefills): teaches the step overhead."""
