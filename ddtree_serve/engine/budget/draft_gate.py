@@ -27,7 +27,7 @@ from ddtree_serve.engine.budget.allocator import StepCost, TokenLayout, ceiling_
 from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.measure import powers_of_two_upto
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
-from ddtree_serve.engine.budget.step_residual import StepResidual
+from ddtree_serve.engine.budget.step_residual import StepResidual, batch_bucket
 
 FIRST_STEP_PLAIN_STEPS = 4.0
 """What the first drafted step may cost, in plain decode steps, before anything is known."""
@@ -66,7 +66,7 @@ class DraftGate:
         self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, probe_interval)
         self._last_best: int | None = None
         self.probing = False  # the last ceiling is a probe after plain steps
-        # (batch size, cap) of the streak under way (None: decide the next step), its choice,
+        # (batch bucket, cap) of the streak under way (None: decide the next step), its choice,
         # its steps since decided, and the predicted ms of its step (a plain step's: its price
         # when decided): see `ceiling`.
         self._streak: tuple[int, int] | None = None
@@ -100,7 +100,7 @@ class DraftGate:
             return 0
         batch_size = len(caps)
         plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
-        streak = (batch_size, cap)
+        streak = (batch_bucket(batch_size), cap)  # requests finishing one by one keep a streak
         draft_ms = cost.draft_ms(batch_size)
         if streak == self._streak and self._streak_holds(plain_ms, draft_ms):
             # A streak over the same batch keeps its choice until its probe is due, and decides

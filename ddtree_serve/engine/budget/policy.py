@@ -140,10 +140,11 @@ class AdaptiveBudget:
         The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
         the choice runs every step, so its work is a few array operations whatever the batch."""
         self.learn()
-        lengths = np.fromiter((tree.num_nodes - 1 for tree in trees), np.int64, len(trees))
+        built = [tree.logws[1:] for tree in trees]
+        lengths = np.array([len(row) for row in built], dtype=np.int64)
         logws = np.full((len(trees), int(lengths.max(initial=0))), -np.inf)
-        for row, (tree, length) in enumerate(zip(trees, lengths.tolist(), strict=True)):
-            logws[row, :length] = tree.logws[1:]
+        for row, tree_logws in enumerate(built):
+            logws[row, : len(tree_logws)] = tree_logws
         raw = np.exp(logws)
         calibrated = self.calibrator.calibrate(raw)  # 0 stays 0: the map is anchored there
         self._raw_probs, self._built_lengths = raw, lengths  # what `observe` teaches the calibrator
@@ -151,7 +152,7 @@ class AdaptiveBudget:
         draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         if self.layout == "padded":
-            uncut = all(cap >= length for cap, length in zip(caps, lengths.tolist(), strict=True))
+            uncut = min(caps) >= lengths.max(initial=0)
             usable = lengths if uncut else np.minimum(lengths, np.maximum(np.asarray(caps), 0))
             self._allocation = allocate_padded_rows(
                 calibrated,
@@ -197,7 +198,7 @@ class AdaptiveBudget:
             raw_probs=self._raw_probs if drafted else None,
             calibrated=self._calibrated if drafted else None,
             verified=verified,
-            accepted_nodes=[list(nodes) for nodes in accepted_nodes] if drafted else [],
+            accepted_nodes=accepted_nodes if drafted else (),
         )
         self._priced_ms = None
         if not self._catching_up:
@@ -260,7 +261,7 @@ class _Lesson:
     raw_probs: np.ndarray | None  # ... their drafter probabilities [B, built]
     calibrated: np.ndarray | None  # ... and those calibrated, as `choose` saw them
     verified: list[int]
-    accepted_nodes: list[list[int]]
+    accepted_nodes: Sequence[Sequence[int]]
 
 
 def tree_prefix(tree: DraftTree, num_draft_nodes: int) -> DraftTree:
