@@ -9,8 +9,8 @@ the step's cost; ceiling 0 is a plain decode step (no drafter call, root-only tr
 one wins. The first step, with no curve yet, takes the widest ceiling that costs at most a few
 plain steps. Each candidate's predicted rate is divided by the measured-over-predicted step time
 of its ceiling (`step_residual.py`), so what the models leave out is judged by what steps took.
-After a few steps at one choice (2 at a new one, doubling to `probe_interval` while probes
-confirm it), one step builds alternately wider (twice the choice:
+After a few steps at one choice (2 at a new batch bucket, doubling to `probe_interval` after
+each probe), one step builds alternately wider (twice the choice:
 the curve past the chosen width stays current and the engine can widen again when acceptance or
 load changes) and narrower (the next candidate below: its measured ratio stays current); after
 plain steps the probe drafts at the best drafting
@@ -60,11 +60,12 @@ class DraftGate:
         # a loss (a probe pays the drafter's catch-up on every context it skipped), up to 16x.
         self.plain_probe_interval = probe_interval
         # Drafted steps before the next probe of the neighbouring ceilings: from
-        # `FIRST_PROBE_INTERVAL` after the choice changed, doubled after each probe that left it
-        # as it was, up to `probe_interval` (a new situation is learned in a few steps, a settled
-        # one pays for a probe rarely).
+        # `FIRST_PROBE_INTERVAL` when the batch moves to another bucket (a new load, whose
+        # step-time ratios are its own), doubled after each probe, up to `probe_interval` (a
+        # new load is learned in a few steps, a settled one pays for a probe rarely; the choice
+        # flipping between neighbours on noise does not start the learning over).
         self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, probe_interval)
-        self._last_best: int | None = None
+        self._probe_bucket: int | None = None  # the batch bucket the interval was reset for
         self.probing = False  # the last ceiling is a probe after plain steps
         # (batch bucket, cap) of the streak under way (None: decide the next step), its choice,
         # its steps since decided, and the predicted ms of its step (a plain step's: its price
@@ -132,9 +133,9 @@ class DraftGate:
             best = drafted if drafted_rate > plain_rate else 0
             clear_loss = drafted_rate < CLEAR_LOSS * plain_rate
         predicted_ms[0] = plain_ms
-        if best != self._last_best:
+        if streak[0] != self._probe_bucket:
             self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, self.probe_interval)
-        self._last_best = best
+        self._probe_bucket = streak[0]
         chosen = best
         interval = self.plain_probe_interval if best == 0 else self.drafted_probe_interval
         if self.num_narrow_steps >= interval:
