@@ -35,7 +35,7 @@ FIRST_STEP_PLAIN_STEPS = 4.0
 RECHECK_SHIFT = 0.05
 """A plain streak decides again once its plain step's predicted price moved this much (a share)."""
 
-DRAFTED_RECHECK_STEPS = 4
+DRAFTED_RECHECK_STEPS = 8
 """A drafting streak over the same batch decides again after this many steps."""
 
 FIRST_PROBE_INTERVAL = 2
