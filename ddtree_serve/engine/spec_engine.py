@@ -256,6 +256,7 @@ class SpecEngine:
 
         None (root-only trees: plain decoding) without a drafter, or while it is lost.
         """
+        restoring = not self._drafter_in_sync  # a drafter back from a loss takes whole contexts
         if self.drafter is None or not self._drafter_ready(self.drafter, requests):
             return None
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
@@ -272,7 +273,7 @@ class SpecEngine:
         assert all(contexts), "every running request has undrafted context"
         # A draft that takes a prompt's context (a newcomer's first) or several steps' (after
         # plain steps) is not what a step at its ceiling costs: the policy learns no cost from it.
-        catching_up = any(r.steps == 0 or len(r.pending_contexts) > 1 for r in requests)
+        catching_up = restoring or any(r.steps == 0 or len(r.pending_contexts) > 1 for r in requests)
         bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
         draft_input = DraftInput([_slot(r) for r in requests], bonus_tokens, contexts, top_k)
         started = time.perf_counter()
@@ -284,10 +285,15 @@ class SpecEngine:
         if self.budget_policy is not None:
             # The last step's lesson while the drafter's kernels run; then its top-K to the
             # host (the build's one copy, made here), so the drafter's time is the draft stage's.
+            # A draft already on the host (a CPU drafter, a remote one) ran before the lesson,
+            # which then hides nothing: its time is not the drafter's.
+            learning_started = time.perf_counter()
             self.budget_policy.learn()
+            learn_ms = 1000.0 * (time.perf_counter() - learning_started)
+            synchronous = draft.logp.device.type == "cpu"
             logp, ids = topk_on_host(draft.logp, draft.ids)
             draft = DraftOutput(logp, ids, draft.num_context_tokens)
-            draft_ms = 1000.0 * (time.perf_counter() - started)
+            draft_ms = 1000.0 * (time.perf_counter() - started) - (learn_ms if synchronous else 0.0)
             self.budget_policy.record_draft_ms(
                 draft_ms, catching_up=catching_up or self.budget_policy.probing
             )

@@ -135,7 +135,8 @@ def build_host_trees(
 def topk_on_host(logp: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft's top-K on the host (float32 log-probs, int64 ids) in one copy; waits for the
     drafter's kernels when they are still running."""
-    if logp.device.type == "cpu" and logp.dtype == torch.float32 and ids.device.type == "cpu":
+    on_host = logp.device.type == "cpu" and ids.device.type == "cpu"
+    if on_host and logp.dtype == torch.float32 and ids.dtype == torch.int64:
         return logp, ids
     packed = torch.cat([logp.float(), ids.to(torch.float32)], dim=-1).cpu()  # one copy; ids < 2^24
     num_ranks = logp.shape[-1]

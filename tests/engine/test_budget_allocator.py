@@ -156,8 +156,9 @@ def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
 
 
 def test_a_plain_streak_decides_again_at_its_probe_or_when_the_batch_changes():
-    """Without a draft the curve stands still: a plain streak over the same batch skips the
-    decision until its probe is due; a request joining or leaving decides at once."""
+    """Without a draft the curve stands still: a plain streak over the same batch bucket skips
+    the decision until its probe is due; a batch in another bucket (2 -> 3 requests) decides at
+    once."""
     gate = DraftGate(probe_interval=4)
     costly_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=200.0)
     gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded")

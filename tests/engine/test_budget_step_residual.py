@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ddtree_serve.engine.budget import BuildCost, CostCurve, DraftGate
+from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, DraftGate, tree_prefix
 from ddtree_serve.engine.budget.step_residual import (
     MAX_RATIO,
     MAX_STEP_MOVE,
@@ -12,6 +12,7 @@ from ddtree_serve.engine.budget.step_residual import (
     StepResidual,
     batch_bucket,
 )
+from ddtree_serve.tree import build_chain
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1])
 FREE_BUILD = BuildCost(0.0, 0.0, 0.0)
@@ -85,12 +86,80 @@ def test_a_ceiling_whose_steps_cost_more_than_predicted_gives_way():
 
 
 def test_a_probe_after_plain_steps_teaches_no_ratio():
+    """Plain steps teach the plain ratio (they take 1.5x their prediction here); the probes
+    between them draft a few requests catching up on context (500 ms) and teach nothing."""
     gate = DraftGate(probe_interval=2)
     gate.record_curve(CONFIDENT[None, :] * 0.1, np.array([len(CONFIDENT)]))
     cost = flat_cost(verify_ms=4.0, draft_ms=40.0)  # drafting is a clear loss: plain, then probes
+    probes = 0
     for _ in range(20):
         ceiling = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
-        gate.record_step_ms(500.0 if gate.probing else 4.0)
+        probes += gate.probing
+        gate.record_step_ms(500.0 if gate.probing else 6.0)
         assert ceiling == 0 or gate.probing
-    assert gate.residual.ratio(2, 16) == 1.0 and gate.residual.ratio(2, 1) == 1.0
-    assert gate.residual.ratio(2, 0) == pytest.approx(1.0)
+    assert probes >= 2
+    assert all(gate.residual.ratio(2, c) == 1.0 for c in (1, 2, 4, 8, 16))
+    assert gate.residual.ratio(2, 0) > 1.3
+
+
+def test_a_step_the_drafter_lost_teaches_the_drafted_ceiling_nothing():
+    """The gate decided to draft; the drafter was lost, so the step verified root-only trees:
+    its time says nothing about the drafted ceiling."""
+    policy = AdaptiveBudget(flat_cost(verify_ms=2.0, draft_ms=1.0))
+    policy.gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    ceiling = policy.plan([16])
+    assert ceiling > 0
+    policy.record_verify_ms(2.0)
+    root = build_chain(np.empty(0, dtype=np.int64), 7)
+    assert not policy.observe([root], [[]]).drafted
+    policy.record_step_ms(50.0)
+    assert policy.gate.residual.ratio(1, ceiling) == 1.0
+
+
+def test_a_probe_that_has_no_other_ceiling_still_restarts_the_count():
+    """With a cap of 1 a due probe can only take the choice itself; the streak still holds
+    between probes (it would otherwise decide in full every step from then on)."""
+    gate = DraftGate(probe_interval=4)
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    cost = flat_cost(verify_ms=4.0, draft_ms=1.0)
+    for _ in range(40):
+        assert gate.ceiling([1, 1], cost, FREE_BUILD, "padded") == 1
+        gate.record_step_ms(5.0)
+        assert gate.num_narrow_steps <= gate.probe_interval
+
+
+def test_a_new_batch_bucket_is_not_probed_at_once():
+    """Steps at one bucket count toward its probe; the first step at another takes the best
+    choice for it, as a gate meeting that batch first would."""
+    cost = flat_cost(verify_ms=4.0, draft_ms=1.0)
+    gate = DraftGate(probe_interval=4)
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    for _ in range(2):  # the next step at this bucket would be its first probe
+        gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
+    fresh = DraftGate(probe_interval=4)
+    fresh.record_curve(gate.curve[None, :], np.array([len(gate.curve)]))
+    best = fresh.ceiling([16, 16, 16], cost, FREE_BUILD, "padded")
+    assert gate.ceiling([16, 16, 16], cost, FREE_BUILD, "padded") == best and not gate.probing
+
+
+def test_the_step_after_a_probe_decides_with_what_the_probe_saw():
+    """A probe's trees reach the gate's curve before the next decision: else the plain streak
+    the gate starts then would run a whole probe interval past what the probe found."""
+    tree = build_chain(np.arange(1, 9, dtype=np.int64), 7, np.full(8, -0.01))  # confident
+    policy = AdaptiveBudget(flat_cost(verify_ms=4.0, draft_ms=40.0), gate=DraftGate(probe_interval=2))
+    policy.gate.record_curve(CONFIDENT[None, :] * 0.05, np.array([len(CONFIDENT)]))  # unsure so far
+    for _ in range(10):
+        ceiling = policy.plan([8])
+        if policy.probing:
+            break
+        policy.record_verify_ms(4.0)
+        policy.observe([build_chain(np.empty(0, dtype=np.int64), 7)], [[]])
+    assert policy.probing and ceiling > 0
+    policy.record_draft_ms(40.0, catching_up=True)
+    allocation = policy.choose([tree], [ceiling])
+    verified = tree_prefix(tree, allocation.num_nodes[0])
+    policy.record_verify_ms(4.0)
+    policy.observe([verified], [list(range(1, verified.num_nodes))])  # every node accepted
+    before = policy.gate.curve.copy()
+    policy.plan([8])
+    assert policy.gate.curve[0] > before[0]

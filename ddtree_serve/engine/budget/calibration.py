@@ -51,7 +51,8 @@ class AcceptanceCalibrator:
 
     def observe(self, drafter_probs: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
         """The nodes of `steps` verify steps (any requests, root excluded) and whether each was
-        accepted; the statistics decay once per step."""
+        accepted. The statistics decay by `decay ** steps` first; the nodes themselves count alike
+        (within a few steps the decay between them is below a percent)."""
         probs = np.asarray(drafter_probs, dtype=np.float64).reshape(-1)
         hits = np.asarray(accepted, dtype=np.float64).reshape(-1)
         if probs.shape != hits.shape:

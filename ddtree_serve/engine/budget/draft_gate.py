@@ -3,7 +3,8 @@
 The ceiling is paid before the allocator sees a tree: the drafter's top-K and the host build
 both scale with it (`build_cost.py`). The gate predicts each candidate ceiling's rate from the
 recent acceptance curve (an EMA, per best-first position, of the calibrated acceptance
-probabilities of the latest drafted trees, averaged over their requests) as if every running
+probabilities of the drafted trees learned so far, averaged over their requests; a step's trees
+are learned while the next step drafts, a probe's before the next decision) as if every running
 request had that curve, with the drafter's call, that ceiling's build and the verify forward as
 the step's cost; ceiling 0 is a plain decode step (no drafter call, root-only trees). The best
 one wins. The first step, with no curve yet, takes the widest ceiling that costs at most a few
@@ -47,7 +48,8 @@ decoding's: near the boundary the curve's noise decides, and a probe is cheap to
 
 
 class DraftGate:
-    """The step's tree ceiling; `ceiling` is called once per step, `record_curve` after each draft."""
+    """The step's tree ceiling; `ceiling` is called once per step, `record_curve` with each
+    drafted step's lesson (the policy's `learn`), `record_step_ms` after each step."""
 
     def __init__(self, probe_interval: int = 16, curve_weight: float = 0.3) -> None:
         if probe_interval < 1 or not 0.0 < curve_weight <= 1.0:
@@ -74,11 +76,13 @@ class DraftGate:
         self._streak_choice = 0
         self._streak_age = 0
         self._streak_ms = 0.0
+        self._streak_batch = 0  # the batch size the streak was decided at
         self._streak_prices = (0.0, 0.0)  # plain step and drafter call, predicted when decided
         self.residual = StepResidual()
         self._next_probe_wider = True  # a drafting probe's direction: it flips at each one
         # (batch size, ceiling, predicted step ms) of the step the last `ceiling` decided, for
-        # `record_step_ms`; None when that step teaches no ratio (the first, a probe).
+        # `record_step_ms`; None when that step teaches no ratio (the first step, a probe after
+        # plain steps, a drafting streak's step at another batch than it was decided for).
         self._decided: tuple[int, int, float] | None = None
 
     def ceiling(
@@ -112,11 +116,12 @@ class DraftGate:
             self.num_narrow_steps += 1
             self._streak_age += 1
             self.probing = False
-            self._decided = (
-                batch_size,
-                self._streak_choice,
-                plain_ms if self._streak_choice == 0 else self._streak_ms,
-            )
+            if self._streak_choice == 0:
+                self._decided = (batch_size, 0, plain_ms)  # its price is read again every step
+            elif batch_size == self._streak_batch:
+                # A drafting streak's prediction was made for the batch it was decided at: a
+                # smaller batch in the same bucket would teach the ceiling a biased ratio.
+                self._decided = (batch_size, self._streak_choice, self._streak_ms)
             return self._streak_choice
         clear_loss = False  # drafting predicted well below plain decoding
         if self.curve is None:
@@ -133,12 +138,14 @@ class DraftGate:
             best = drafted if drafted_rate > plain_rate else 0
             clear_loss = drafted_rate < CLEAR_LOSS * plain_rate
         predicted_ms[0] = plain_ms
-        if streak[0] != self._probe_bucket:
+        if streak[0] != self._probe_bucket:  # a new load: learn its neighbours soon, not now
             self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, self.probe_interval)
+            self.num_narrow_steps = 0
         self._probe_bucket = streak[0]
         chosen = best
         interval = self.plain_probe_interval if best == 0 else self.drafted_probe_interval
-        if self.num_narrow_steps >= interval:
+        probe_due = self.num_narrow_steps >= interval
+        if probe_due:
             chosen = drafted if best == 0 else self._probe_ceiling(best, cap)
             if best > 0:
                 self.drafted_probe_interval = min(2 * self.drafted_probe_interval, self.probe_interval)
@@ -147,14 +154,15 @@ class DraftGate:
             self.plain_probe_interval = self.probe_interval
         elif chosen > 0:
             self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
-        self.num_narrow_steps = 0 if chosen != best else self.num_narrow_steps + 1
-        self._decided = None
+        # A due probe restarts the count even when it could take no other ceiling (a cap of 1).
+        self.num_narrow_steps = 0 if probe_due else self.num_narrow_steps + 1
         if not self.probing and chosen in predicted_ms:
-            self._decided = (batch_size, chosen, predicted_ms[chosen])  # a probe drafts a few only
+            # A probe after plain steps drafts a few requests only, catching up: it teaches none.
+            self._decided = (batch_size, chosen, predicted_ms[chosen])
         # A probe, or the first step, is its own decision; the best choice starts a streak.
-        self._streak = streak if chosen == best and self._decided is not None else None
-        self._streak_choice, self._streak_age = chosen, 0
-        self._streak_ms = plain_ms if chosen == 0 else predicted_ms.get(chosen, 0.0)
+        self._streak = streak if not probe_due and self._decided is not None else None
+        self._streak_choice, self._streak_age, self._streak_batch = chosen, 0, batch_size
+        self._streak_ms = predicted_ms.get(chosen, 0.0)
         self._streak_prices = (plain_ms, draft_ms)
         return chosen
 

@@ -9,9 +9,7 @@ def isotonic_increasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     if np.all(values[1:] >= values[:-1]):
         return values.copy()  # already in order: the common case, without the Python loop
     blocks: list[list[float]] = []  # [mean, weight, length] of each pooled run
-    for value, weight in zip(
-        np.asarray(values, float).tolist(), np.asarray(weights, float).tolist(), strict=True
-    ):
+    for value, weight in zip(values.tolist(), np.asarray(weights, float).tolist(), strict=True):
         blocks.append([value, weight, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             mean, weight_b, length = blocks.pop()

@@ -104,8 +104,10 @@ class AdaptiveBudget:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         self._catching_up = False
-        if self.gate.curve is None:
-            self.learn()  # the first drafted step's trees give the gate its curve before it decides
+        if self.gate.curve is None or (self._lesson is not None and self._lesson.probe):
+            # The first drafted step's trees give the gate its curve, and a probe's tell it
+            # whether to draft again, before it decides (else the lesson waits for the draft).
+            self.learn()
         self._ceiling = self.gate.ceiling(caps, self.cost, self.build, self.layout, self.overhead)
         return self._ceiling
 
@@ -199,17 +201,20 @@ class AdaptiveBudget:
             calibrated=self._calibrated if drafted else None,
             verified=verified,
             accepted_nodes=accepted_nodes if drafted else (),
+            probe=self.probing,
         )
         self._priced_ms = None
         if not self._catching_up:
             self._priced_ms = sum(ms for ms in (self._draft_ms, self._build_ms, self._verify_ms) if ms)
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
+        self._catching_up = False
         return self.last_step
 
     def learn(self) -> None:
         """Apply the last observed step's lesson, if it is still pending: the cost curve and the
         build cost from its timings, the calibrator from its verified nodes (`choose` and
-        `observe` call it first, so nothing is chosen from a model that misses a step)."""
+        `observe` call it first, so no allocation is chosen from a model that misses a step; the
+        gate's `plan` may decide a step behind, but for the first curve and after a probe)."""
         lesson, self._lesson = self._lesson, None
         if lesson is None:
             return
@@ -244,7 +249,8 @@ class AdaptiveBudget:
         """The observed step's wall time (after its prefills): teaches the step overhead."""
         if self.last_step is not None and self._priced_ms is not None:
             self.overhead.observe(self.last_step.drafted, step_ms - self._priced_ms)
-            self.gate.record_step_ms(step_ms)
+            if self.last_step.drafted == (self._ceiling > 0):  # not when the drafter was lost
+                self.gate.record_step_ms(step_ms)
         self._priced_ms = None
 
 
@@ -262,6 +268,7 @@ class _Lesson:
     calibrated: np.ndarray | None  # ... and those calibrated, as `choose` saw them
     verified: list[int]
     accepted_nodes: Sequence[Sequence[int]]
+    probe: bool  # a probe after plain steps
 
 
 def tree_prefix(tree: DraftTree, num_draft_nodes: int) -> DraftTree:
