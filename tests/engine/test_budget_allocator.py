@@ -17,6 +17,7 @@ from ddtree_serve.engine.budget import (
     tree_prefix,
 )
 from ddtree_serve.engine.budget.allocator import allocate_padded_rows, ceiling_rates
+from ddtree_serve.engine.budget.policy import CALIBRATION_STEPS, EARLY_CALIBRATIONS
 from ddtree_serve.tree import build_ddtree, draft_topk
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
@@ -277,3 +278,24 @@ def test_the_gates_ceiling_rates_are_the_allocators(seed):
             rates, step_ms = ceiling_rates(curve, caps, ceilings, cost, draft_ms=draft_ms, layout=layout)
             np.testing.assert_allclose(step_ms, [a.step_ms for a in expected])
             np.testing.assert_allclose(rates, [a.tokens_per_s for a in expected])
+
+
+def test_the_calibrator_learns_the_first_steps_at_once_then_in_batches():
+    """The first drafted steps are much of what the calibrator knows: each is learned at once;
+    later ones four at a time (one update and one refit)."""
+    tree = build_ddtree(*random_draft(0), 8, root_token=7)
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
+    probe = np.exp(tree.logws[1:2])
+    calibrated = []
+    for _ in range(EARLY_CALIBRATIONS + CALIBRATION_STEPS):
+        policy.plan([8])
+        policy.record_draft_ms(1.0)
+        allocation = policy.choose([tree], [8])
+        verified = tree_prefix(tree, allocation.num_nodes[0])
+        policy.record_verify_ms(4.0)
+        policy.observe([verified], [[]])  # nothing accepted: the forecast falls
+        policy.learn()
+        calibrated.append(float(policy.calibrator.calibrate(probe)[0]))
+    early, batched = calibrated[:EARLY_CALIBRATIONS], calibrated[EARLY_CALIBRATIONS:]
+    assert all(later < earlier for earlier, later in itertools.pairwise(early))
+    assert batched[:-1] == [early[-1]] * (CALIBRATION_STEPS - 1) and batched[-1] < early[-1]

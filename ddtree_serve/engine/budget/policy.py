@@ -36,6 +36,9 @@ CALIBRATION_STEPS = 4
 """Drafted steps whose verified nodes the calibrator learns in one update: its statistics move
 little per step (decay 0.995), and the refit costs more host time than a fast step spares."""
 
+EARLY_CALIBRATIONS = 8
+"""Updates made one drafted step at a time before the calibrator batches them."""
+
 
 @dataclass(frozen=True)
 class BudgetStep:
@@ -99,6 +102,7 @@ class AdaptiveBudget:
         # Verified nodes (drafter probabilities, accepted or not) of drafted steps not yet taught
         # to the calibrator: it learns `CALIBRATION_STEPS` steps' at once (one update, one refit).
         self._calibration_batch: list[tuple[np.ndarray, np.ndarray]] = []
+        self._num_calibrations = 0
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
@@ -239,7 +243,11 @@ class AdaptiveBudget:
         cols = [node - 1 for nodes in lesson.accepted_nodes for node in nodes]  # nodes count from the root
         hits[rows, cols] = True
         self._calibration_batch.append((lesson.raw_probs[verified_mask], hits[verified_mask]))
-        if len(self._calibration_batch) >= CALIBRATION_STEPS:
+        # Early on, and at a probe between plain steps, each step is much of what is known: it
+        # is learned at once (a plain streak would otherwise wait four probes for its update).
+        early = self._num_calibrations < EARLY_CALIBRATIONS
+        if early or lesson.probe or len(self._calibration_batch) >= CALIBRATION_STEPS:
+            self._num_calibrations += 1
             probs, accepted = (np.concatenate(parts) for parts in zip(*self._calibration_batch, strict=True))
             self.calibrator.observe(probs, accepted, steps=len(self._calibration_batch))
             self.calibrator.refresh()
