@@ -7,6 +7,7 @@ old one with its stale context). Greedy output must equal plain greedy decoding,
 itself checks drafter context == target cache at every draft, and speculation must resume.
 """
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -198,3 +199,33 @@ def test_encode_context_equals_the_prefill_features_and_leaves_the_cache_alone(m
     assert torch.equal(cache.keys, keys_before) and torch.equal(cache.values, values_before)
     with pytest.raises(ValueError, match="caches 7 tokens"):
         target.encode_context(EncodeInput([1], [prompt[:-1]]))
+
+
+def test_an_adaptive_engine_learns_no_cost_from_a_restored_drafters_first_draft(
+    make_pair_config, pair_dirs, prompt_ids, greedy_references, tmp_path
+):
+    """A drafter back from a loss takes every request's whole context in its first draft: the
+    adaptive policy must not learn that call as what a draft costs. Greedy output still equals
+    plain greedy decoding."""
+    cost = tmp_path / "free_nodes.json"
+    cost.write_text(json.dumps({"tokens": [1, 64], "ms": [5.0, 5.0], "draft_ms": 0.5}))
+    config = make_pair_config(
+        mode="ddtree", budget=6, max_num_seqs=2, budget_policy="adaptive", cost_curve=str(cost)
+    )
+    drafter = FlakyDrafter(lambda: build_draft_step(config), die_at_calls={3}, polls_until_back=2)
+    tokenizer = load_tokenizer(pair_dirs[0])
+    engine = SpecEngine(config.to_settings(), build_target_step(config), drafter, tokenizer)
+    policy = engine.budget_policy
+    flags: list[tuple[int, bool]] = []  # (drafter returns so far, catching up) per timed draft
+    record = policy.record_draft_ms
+
+    def recording(draft_ms: float, catching_up: bool = False) -> None:
+        flags.append((drafter.num_returns, catching_up))
+        record(draft_ms, catching_up)
+
+    policy.record_draft_ms = recording
+    outputs = run_with_joins(engine, prompt_ids)
+    for i, prompt in enumerate(prompt_ids):
+        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
+    after_return = [catching_up for returns, catching_up in flags if returns == 1]
+    assert drafter.num_returns == 1 and after_return and after_return[0]
