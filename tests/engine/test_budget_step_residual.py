@@ -125,7 +125,7 @@ def test_a_probe_that_has_no_other_ceiling_still_restarts_the_count():
     for _ in range(40):
         assert gate.ceiling([1, 1], cost, FREE_BUILD, "padded") == 1
         gate.record_step_ms(5.0)
-        assert gate.num_narrow_steps <= gate.probe_interval
+        assert gate.steps_since_probe <= gate.probe_interval
 
 
 def test_a_new_batch_bucket_is_not_probed_at_once():

@@ -106,8 +106,7 @@ class CostCurve:
         if batch_size <= axis[0] or len(axis) == 1:
             return float(ms[0])
         if batch_size >= axis[-1]:
-            slope = max(float(ms[-1] - ms[-2]) / (axis[-1] - axis[-2]), 0.0)
-            return float(ms[-1]) + slope * (batch_size - axis[-1])
+            return float(ms[-1]) + _last_slope(self.batch_sizes, ms) * (batch_size - axis[-1])
         (lo, hi), (w_lo, w_hi) = _bracket(axis, batch_size)
         return w_lo * float(ms[lo]) + w_hi * float(ms[hi])
 

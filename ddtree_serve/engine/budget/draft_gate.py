@@ -11,13 +11,13 @@ one wins. The first step, with no curve yet, takes the widest ceiling that costs
 plain steps. Each candidate's predicted rate is divided by the measured-over-predicted step time
 of its ceiling (`step_residual.py`), so what the models leave out is judged by what steps took.
 After a few steps at one choice (2 at a new batch bucket, doubling to `probe_interval` after
-each probe), one step builds alternately wider (twice the choice:
-the curve past the chosen width stays current and the engine can widen again when acceptance or
-load changes) and narrower (the next candidate below: its measured ratio stays current); after
-plain steps the probe drafts at the best drafting
-ceiling (a probe at the cap could cost more than the plain steps before it saved), and while
-probes keep finding drafting a clear loss they come at doubling intervals: each one also pays
-the drafter's catch-up on all the context it skipped (on a CPU at batch 64, ten plain steps').
+each probe), one step builds alternately wider (twice the choice: the curve past the chosen
+width stays current and the engine can widen again when acceptance or load changes) and narrower
+(the next candidate below: its measured ratio stays current); after plain steps the probe drafts
+at the best drafting ceiling (a probe at the cap could cost more than the plain steps before it
+saved), and while probes keep finding drafting a clear loss they come at doubling intervals:
+each one also pays the drafter's catch-up on all the context it skipped (on a CPU at batch 64,
+ten plain steps').
 """
 
 from collections.abc import Sequence
@@ -40,7 +40,7 @@ DRAFTED_RECHECK_STEPS = 8
 """A drafting streak over the same batch decides again after this many steps."""
 
 FIRST_PROBE_INTERVAL = 2
-"""Drafted steps at a new choice before the first probe of its neighbours."""
+"""Drafted steps at a new batch bucket before the first probe of the choice's neighbours."""
 
 CLEAR_LOSS = 0.8
 """Probes back off only while the best drafting rate is predicted below this share of plain
@@ -57,7 +57,7 @@ class DraftGate:
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
         self.curve: np.ndarray | None = None  # [positions] recent calibrated acceptance
-        self.num_narrow_steps = 0  # steps since the last probe (each took the best choice)
+        self.steps_since_probe = 0  # steps since the last probe (each took the best choice)
         # Plain steps before the next probe: doubled after each probe that found drafting still
         # a loss (a probe pays the drafter's catch-up on every context it skipped), up to 16x.
         self.plain_probe_interval = probe_interval
@@ -70,8 +70,8 @@ class DraftGate:
         self._probe_bucket: int | None = None  # the batch bucket the interval was reset for
         self.probing = False  # the last ceiling is a probe after plain steps
         # (batch bucket, cap) of the streak under way (None: decide the next step), its choice,
-        # its steps since decided, and the predicted ms of its step (a plain step's: its price
-        # when decided): see `ceiling`.
+        # its steps since decided, and the predicted ms of its step (read by a drafting streak; a
+        # plain one prices its step anew each time): see `ceiling`.
         self._streak: tuple[int, int] | None = None
         self._streak_choice = 0
         self._streak_age = 0
@@ -113,7 +113,7 @@ class DraftGate:
             # or, drafting, when the drafter's did or the streak is `DRAFTED_RECHECK_STEPS`
             # old: on a fast target the decision costs a tenth of a step, one step's curve
             # moves it little.
-            self.num_narrow_steps += 1
+            self.steps_since_probe += 1
             self._streak_age += 1
             self.probing = False
             if self._streak_choice == 0:
@@ -140,11 +140,11 @@ class DraftGate:
         predicted_ms[0] = plain_ms
         if streak[0] != self._probe_bucket:  # a new load: learn its neighbours soon, not now
             self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, self.probe_interval)
-            self.num_narrow_steps = 0
+            self.steps_since_probe = 0
         self._probe_bucket = streak[0]
         chosen = best
         interval = self.plain_probe_interval if best == 0 else self.drafted_probe_interval
-        probe_due = self.num_narrow_steps >= interval
+        probe_due = self.steps_since_probe >= interval
         if probe_due:
             chosen = drafted if best == 0 else self._probe_ceiling(best, cap)
             if best > 0:
@@ -155,7 +155,7 @@ class DraftGate:
         elif chosen > 0:
             self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
         # A due probe restarts the count even when it could take no other ceiling (a cap of 1).
-        self.num_narrow_steps = 0 if probe_due else self.num_narrow_steps + 1
+        self.steps_since_probe = 0 if probe_due else self.steps_since_probe + 1
         if not self.probing and chosen in predicted_ms:
             # A probe after plain steps drafts a few requests only, catching up: it teaches none.
             self._decided = (batch_size, chosen, predicted_ms[chosen])
@@ -173,8 +173,8 @@ class DraftGate:
             for now, then in zip((plain_ms, draft_ms), self._streak_prices, strict=True)
         ]
         if self._streak_choice == 0:
-            return self.num_narrow_steps < self.plain_probe_interval and not moved[0]
-        due = self.num_narrow_steps >= self.drafted_probe_interval
+            return self.steps_since_probe < self.plain_probe_interval and not moved[0]
+        due = self.steps_since_probe >= self.drafted_probe_interval
         return not due and not any(moved) and self._streak_age < DRAFTED_RECHECK_STEPS
 
     def _probe_ceiling(self, best: int, cap: int) -> int:

@@ -194,17 +194,22 @@ class AdaptiveBudget:
             accepted_per_request=accepted,
             ceiling=self._ceiling if drafted else 0,
         )
+        nodes = None
+        if drafted:
+            nodes = _DraftedNodes(
+                build_ms=self._build_ms,
+                built_lengths=self._built_lengths,
+                raw_probs=self._raw_probs,
+                calibrated=self._calibrated,
+                verified=verified,
+                accepted_nodes=accepted_nodes,
+            )
         self._lesson = _Lesson(
             batch_size=batch_size,
             target_tokens=batch_size * (max(verified) + 1),  # the padded verify batch
             draft_ms=None if self._catching_up else self._draft_ms,
-            build_ms=self._build_ms if drafted else None,
             verify_ms=self._verify_ms,
-            built_lengths=self._built_lengths if drafted else None,
-            raw_probs=self._raw_probs if drafted else None,
-            calibrated=self._calibrated if drafted else None,
-            verified=verified,
-            accepted_nodes=accepted_nodes if drafted else (),
+            nodes=nodes,
             probe=self.probing,
         )
         self._priced_ms = None
@@ -226,23 +231,25 @@ class AdaptiveBudget:
             self.cost.observe_verify(lesson.batch_size, lesson.target_tokens, lesson.verify_ms)
         if lesson.draft_ms is not None:
             self.cost.observe_draft(lesson.batch_size, lesson.draft_ms)
-        if lesson.built_lengths is None or lesson.raw_probs is None or lesson.calibrated is None:
+        nodes = lesson.nodes
+        if nodes is None:
             return
-        self.gate.record_curve(lesson.calibrated, lesson.built_lengths)
-        if lesson.build_ms is not None:
-            self.build.observe(lesson.batch_size, int(lesson.built_lengths.sum()), lesson.build_ms)
+        self.gate.record_curve(nodes.calibrated, nodes.built_lengths)
+        if nodes.build_ms is not None:
+            self.build.observe(lesson.batch_size, int(nodes.built_lengths.sum()), nodes.build_ms)
         # The verified trees are prefixes of the built ones: their nodes' drafter
         # probabilities are the first `num_nodes - 1` of each built tree's row.
-        lengths = np.asarray(lesson.verified)
-        assert len(lengths) == len(lesson.built_lengths) and np.all(lengths <= lesson.built_lengths), (
+        lengths = np.asarray(nodes.verified)
+        assert len(lengths) == len(nodes.built_lengths) and np.all(lengths <= nodes.built_lengths), (
             "observe takes prefixes of the trees `choose` saw, in its order"
         )
-        verified_mask = np.arange(lesson.raw_probs.shape[1]) < lengths[:, None]
-        hits = np.zeros(lesson.raw_probs.shape, dtype=bool)
-        rows = [row for row, nodes in enumerate(lesson.accepted_nodes) for _ in nodes]
-        cols = [node - 1 for nodes in lesson.accepted_nodes for node in nodes]  # nodes count from the root
+        verified_mask = np.arange(nodes.raw_probs.shape[1]) < lengths[:, None]
+        hits = np.zeros(nodes.raw_probs.shape, dtype=bool)
+        rows = [row for row, accepted in enumerate(nodes.accepted_nodes) for _ in accepted]
+        # Node indices count from the root.
+        cols = [node - 1 for accepted in nodes.accepted_nodes for node in accepted]
         hits[rows, cols] = True
-        self._calibration_batch.append((lesson.raw_probs[verified_mask], hits[verified_mask]))
+        self._calibration_batch.append((nodes.raw_probs[verified_mask], hits[verified_mask]))
         # Early on, and at a probe between plain steps, each step is much of what is known: it
         # is learned at once (a plain streak would otherwise wait four probes for its update).
         early = self._num_calibrations < EARLY_CALIBRATIONS
@@ -263,19 +270,26 @@ class AdaptiveBudget:
 
 
 @dataclass(frozen=True)
+class _DraftedNodes:
+    """What a drafted step's trees teach: the build's time and the calibrator's nodes."""
+
+    build_ms: float | None
+    built_lengths: np.ndarray  # draft nodes built per request
+    raw_probs: np.ndarray  # their drafter probabilities [B, built]
+    calibrated: np.ndarray  # ... calibrated, as `choose` saw them
+    verified: list[int]  # draft nodes each request verified (a prefix of its built ones)
+    accepted_nodes: Sequence[Sequence[int]]  # per request, accepted node indices (root = 0)
+
+
+@dataclass(frozen=True)
 class _Lesson:
     """What one observed step teaches the models, kept from `observe` until `learn`."""
 
     batch_size: int
     target_tokens: int
     draft_ms: float | None
-    build_ms: float | None
     verify_ms: float | None
-    built_lengths: np.ndarray | None  # drafted steps only: draft nodes built per request
-    raw_probs: np.ndarray | None  # ... their drafter probabilities [B, built]
-    calibrated: np.ndarray | None  # ... and those calibrated, as `choose` saw them
-    verified: list[int]
-    accepted_nodes: Sequence[Sequence[int]]
+    nodes: _DraftedNodes | None  # None: a plain step (it teaches the cost curve only)
     probe: bool  # a probe after plain steps
 
 
