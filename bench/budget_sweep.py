@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, load_cost_curve, tree_prefix
+from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, load_cost_curve
 from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
 from ddtree_serve.engine.interfaces import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.models import load_tokenizer
-from ddtree_serve.tree import DraftTree, build_ddtree
+from ddtree_serve.tree import DraftTree, TreeBatch, build_ddtree
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 # Openings in the style of the standard library the bundled pair was trained on.
@@ -324,21 +324,22 @@ def _simulate_adaptive(
     for batch in steps:
         caps = [ceiling] * len(batch)
         step_ceiling = policy.plan(caps)
+        traced = TreeBatch.from_trees([step.tree for step in batch])
         if step_ceiling > 0:
             draft_ms = cost.draft_ms(len(batch))
             policy.record_draft_ms(draft_ms)
-            built = [tree_prefix(step.tree, step_ceiling) for step in batch]
+            built = traced.prefix([step_ceiling] * len(batch))
             allocation = policy.choose(built, [step_ceiling] * len(batch))
             num_nodes = allocation.num_nodes
-            draft_ms += float(charged.ms(len(batch), sum(t.num_nodes - 1 for t in built)))
+            draft_ms += float(charged.ms(len(batch), int((built.num_nodes - 1).sum())))
         else:
             draft_ms, num_nodes = 0.0, (0,) * len(batch)
-        trees = [tree_prefix(step.tree, n) for step, n in zip(batch, num_nodes, strict=True)]
+        trees = traced.prefix(num_nodes)
         accepted = [
             tuple(node for node in step.accepted if node <= n)
             for step, n in zip(batch, num_nodes, strict=True)
         ]
-        verify_ms = float(cost.verify_ms(len(batch), len(batch) * max(t.num_nodes for t in trees)))
+        verify_ms = float(cost.verify_ms(len(batch), len(batch) * int(trees.num_nodes.max())))
         policy.record_verify_ms(verify_ms)
         policy.observe(trees, accepted)
         tokens += sum(len(a) + 1 for a in accepted)

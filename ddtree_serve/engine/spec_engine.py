@@ -32,7 +32,6 @@ from ddtree_serve.engine.budget import (
     measure_build_cost,
     measure_cost_curve,
     powers_of_two_upto,
-    tree_prefix,
 )
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
@@ -60,12 +59,10 @@ from ddtree_serve.engine.timing import Stage, StageTimer
 from ddtree_serve.engine.tree_builder import (
     BuiltTrees,
     TreeBuilder,
-    build_host_trees,
-    root_only_trees,
+    build_host_tree_batch,
     topk_on_host,
 )
 from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS
-from ddtree_serve.tree import build_verify_batch
 
 logger = logging.getLogger(__name__)
 
@@ -453,11 +450,11 @@ class SpecEngine:
         drafted = len(draft.num_context_tokens)  # checked against the drafted requests in `_draft`
         caps = [min(self._budget(r), policy.ceiling) if i < drafted else 0 for i, r in enumerate(requests)]
         roots = [_bonus(r) for r in requests]
-        built = build_host_trees(draft.logp, draft.ids, caps[:drafted], roots[:drafted])
-        built += root_only_trees(roots[drafted:])
+        built = build_host_tree_batch(draft.logp, draft.ids, caps[:drafted], roots[:drafted])
+        built = built.with_root_only(roots[drafted:])
         allocation = policy.choose(built, caps)
-        trees = [tree_prefix(t, n) for t, n in zip(built, allocation.num_nodes, strict=True)]
-        batch = BuiltTrees(build_verify_batch(trees), [t.num_nodes for t in trees], trees)
+        trees = built.prefix(allocation.num_nodes)
+        batch = BuiltTrees(trees.verify_batch(), trees.num_nodes.tolist(), trees)
         policy.record_build_ms(1000.0 * (time.perf_counter() - started))
         return batch
 
@@ -500,10 +497,10 @@ class SpecEngine:
         accept_tokens = verdict.accept_tokens.tolist()
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
-        if self.budget_policy is not None and trees.trees is not None:
+        if self.budget_policy is not None and trees.host is not None:
             accept_index = verdict.accept_index.tolist()
             accepted = [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)]
-            self.budget_policy.observe(trees.trees, accepted)
+            self.budget_policy.observe(trees.host, accepted)
         for i, request in enumerate(requests):
             request.num_cached_tokens = verdict.num_cached_tokens[i]
             new_tokens = [*accept_tokens[i][1 : 1 + accept_len[i]], bonus_tokens[i]]

@@ -96,7 +96,7 @@ def build_verify_batch(trees: Sequence[DraftTree], n_max: int | None = None) -> 
             _link_children(tree, next_token[b], next_sibling[b])
 
     max_depth = int(depths.max(initial=0))
-    attn_mask = _ancestor_mask(parents, max_depth)
+    attn_mask = ancestor_mask(parents, max_depth)
     planes_t = torch.from_numpy(planes)
     return VerifyBatch(
         tokens=planes_t[0],
@@ -122,7 +122,7 @@ def _link_children(tree: DraftTree, next_token: np.ndarray, next_sibling: np.nda
     next_token[tree.parents[first_children]] = first_children
 
 
-def _ancestor_mask(parents: np.ndarray, max_depth: int) -> np.ndarray:
+def ancestor_mask(parents: np.ndarray, max_depth: int) -> np.ndarray:
     """[B, N, N] bool: [b, i, j] is True iff j == i or j is an ancestor of i.
 
     Pointer doubling: after step s every row holds the ancestors within distance 2**s, and

@@ -14,11 +14,10 @@ from ddtree_serve.engine.budget import (
     DraftGate,
     allocate,
     plain_decode_rate,
-    tree_prefix,
 )
 from ddtree_serve.engine.budget.allocator import allocate_padded_rows, ceiling_rates
 from ddtree_serve.engine.budget.policy import CALIBRATION_STEPS, EARLY_CALIBRATIONS
-from ddtree_serve.tree import build_ddtree, draft_topk
+from ddtree_serve.tree import TreeBatch, build_ddtree, draft_topk
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
 UNSURE = np.array([0.4, 0.15, 0.1, 0.05, 0.02, 0.01, 0.01, 0.0])
@@ -212,33 +211,23 @@ def random_draft(seed: int, depth: int = 6, k: int = 4, vocab: int = 50):
     return draft_topk(torch.randn(depth, vocab, generator=generator) * 3, k)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_a_prefix_of_a_best_first_tree_is_the_smaller_best_first_tree(seed):
-    logp, ids = random_draft(seed)
-    full = build_ddtree(logp, ids, 24, root_token=7)
-    for n in (0, 1, 5, 13, 24, 40):
-        prefix, smaller = tree_prefix(full, n), build_ddtree(logp, ids, min(n, 24), root_token=7)
-        for field in ("token_ids", "depths", "parents", "logws"):
-            np.testing.assert_array_equal(getattr(prefix, field), getattr(smaller, field))
-
-
 def test_policy_learns_from_what_verification_accepted():
     """Trees whose nodes are never accepted: the policy's forecast and its trees shrink."""
     logp, ids = random_draft(0)
-    tree = build_ddtree(logp, ids, 16, root_token=7)
+    tree = TreeBatch.from_trees([build_ddtree(logp, ids, 16, root_token=7)])
     policy = AdaptiveBudget(linear_curve(4.0, 0.3, draft_ms=1.0), layout="packed")
-    first = policy.choose([tree], [16])
+    first = policy.choose(tree, [16])
     for _ in range(60):
         policy.plan([16])  # starts the step; this test drafts whatever the gate says
         policy.record_draft_ms(1.0)
-        allocation = policy.choose([tree], [16])
+        allocation = policy.choose(tree, [16])
         policy.record_verify_ms(5.0)
-        record = policy.observe([tree_prefix(tree, allocation.num_nodes[0])], [[]])
+        record = policy.observe(tree.prefix(allocation.num_nodes), [[]])
         assert record.drafted and record.accepted == 0
         assert record.predicted_accepted == pytest.approx(sum(allocation.expected_accepted))
         assert record.predicted_per_request == allocation.expected_accepted
         assert record.calibration_error == pytest.approx(record.predicted_accepted)  # nothing accepted
-    last = policy.choose([tree], [16])
+    last = policy.choose(tree, [16])
     assert sum(last.expected_accepted) < 0.5 * sum(first.expected_accepted)
     assert last.num_nodes[0] <= first.num_nodes[0]
 
@@ -248,7 +237,7 @@ def test_a_plain_step_teaches_the_cost_curve_only():
     calibrated_before = policy.calibrator.calibrate(np.array([0.5]))
     policy.plan([8])
     policy.record_verify_ms(50.0)
-    record = policy.observe([tree_prefix(build_ddtree(*random_draft(1), 8, 3), 0)], [[]])
+    record = policy.observe(TreeBatch.from_trees([build_ddtree(*random_draft(1), 8, 3)]).prefix([0]), [[]])
     assert not record.drafted and record.num_nodes == (0,) and record.predicted_per_request == (0.0,)
     assert float(policy.cost.verify_ms(1, 1)) == pytest.approx(4.3)  # the lesson waits for `learn`
     policy.learn()
@@ -283,17 +272,16 @@ def test_the_gates_ceiling_rates_are_the_allocators(seed):
 def test_the_calibrator_learns_the_first_steps_at_once_then_in_batches():
     """The first drafted steps are much of what the calibrator knows: each is learned at once;
     later ones four at a time (one update and one refit)."""
-    tree = build_ddtree(*random_draft(0), 8, root_token=7)
+    tree = TreeBatch.from_trees([build_ddtree(*random_draft(0), 8, root_token=7)])
     policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
-    probe = np.exp(tree.logws[1:2])
+    probe = np.exp(tree.logws[0, 1:2])
     calibrated = []
     for _ in range(EARLY_CALIBRATIONS + CALIBRATION_STEPS):
         policy.plan([8])
         policy.record_draft_ms(1.0)
-        allocation = policy.choose([tree], [8])
-        verified = tree_prefix(tree, allocation.num_nodes[0])
+        allocation = policy.choose(tree, [8])
         policy.record_verify_ms(4.0)
-        policy.observe([verified], [[]])  # nothing accepted: the forecast falls
+        policy.observe(tree.prefix(allocation.num_nodes), [[]])  # nothing accepted: the forecast falls
         policy.learn()
         calibrated.append(float(policy.calibrator.calibrate(probe)[0]))
     early, batched = calibrated[:EARLY_CALIBRATIONS], calibrated[EARLY_CALIBRATIONS:]

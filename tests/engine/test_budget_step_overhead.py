@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, DraftGate, tree_prefix
+from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, DraftGate
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
-from ddtree_serve.tree import build_ddtree, draft_topk
+from ddtree_serve.tree import TreeBatch, build_ddtree, draft_topk
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
 FREE_BUILD = BuildCost(0.0, 0.0, 0.0)
@@ -49,21 +49,21 @@ def test_a_drafted_steps_host_work_can_make_plain_decoding_the_better_choice():
 def test_the_policy_learns_the_overhead_from_the_engines_step_times():
     """Every drafted step takes 4 ms more than its priced parts, every plain step 0.5 ms more."""
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
-    tree = build_ddtree(*draft_topk(logits, 4), 8, root_token=7)
+    tree = TreeBatch.from_trees([build_ddtree(*draft_topk(logits, 4), 8, root_token=7)])
     policy = AdaptiveBudget(flat_cost(verify_ms=20.0, draft_ms=1.0))
     kinds = []
     for _ in range(40):
         kinds.append(policy.plan([8]) > 0)
         if not kinds[-1]:
             policy.record_verify_ms(20.0)
-            policy.observe([tree_prefix(tree, 0)], [[]])
+            policy.observe(tree.prefix([0]), [[]])
             policy.record_step_ms(20.0 + 0.5)
             continue
         policy.record_draft_ms(1.0)
-        allocation = policy.choose([tree], [8])
+        allocation = policy.choose(tree, [8])
         policy.record_build_ms(0.2)
         policy.record_verify_ms(20.0)
-        policy.observe([tree_prefix(tree, allocation.num_nodes[0])], [[1]])  # the first child
+        policy.observe(tree.prefix(allocation.num_nodes), [[1]])  # the first child
         policy.record_step_ms(1.0 + 0.2 + 20.0 + 4.0)
     assert sum(kinds) > 30  # drafting pays here: the overhead is learned from drafted steps
     assert policy.overhead.drafted_ms == pytest.approx(4.0, rel=0.05)
@@ -73,15 +73,15 @@ def test_a_draft_that_catches_up_on_context_teaches_no_cost():
     """A newcomer's first draft takes its whole prompt's context: its time, and its step's, say
     nothing of what a step at that ceiling costs."""
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
-    tree = build_ddtree(*draft_topk(logits, 4), 8, root_token=7)
+    tree = TreeBatch.from_trees([build_ddtree(*draft_topk(logits, 4), 8, root_token=7)])
     policy = AdaptiveBudget(flat_cost(verify_ms=2.0, draft_ms=1.0))
     policy.gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
     for _ in range(3):
         assert policy.plan([8]) > 0
         policy.record_draft_ms(50.0, catching_up=True)
-        allocation = policy.choose([tree], [8])
+        allocation = policy.choose(tree, [8])
         policy.record_verify_ms(2.0)
-        policy.observe([tree_prefix(tree, allocation.num_nodes[0])], [[1]])
+        policy.observe(tree.prefix(allocation.num_nodes), [[1]])
         policy.record_step_ms(80.0)
         policy.learn()
     assert policy.cost.draft_ms(1) == pytest.approx(1.0)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, DraftGate, tree_prefix
+from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, DraftGate
 from ddtree_serve.engine.budget.step_residual import (
     MAX_RATIO,
     MAX_STEP_MOVE,
@@ -12,7 +12,7 @@ from ddtree_serve.engine.budget.step_residual import (
     StepResidual,
     batch_bucket,
 )
-from ddtree_serve.tree import build_chain
+from ddtree_serve.tree import TreeBatch, build_chain
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1])
 FREE_BUILD = BuildCost(0.0, 0.0, 0.0)
@@ -110,8 +110,7 @@ def test_a_step_the_drafter_lost_teaches_the_drafted_ceiling_nothing():
     ceiling = policy.plan([16])
     assert ceiling > 0
     policy.record_verify_ms(2.0)
-    root = build_chain(np.empty(0, dtype=np.int64), 7)
-    assert not policy.observe([root], [[]]).drafted
+    assert not policy.observe(TreeBatch.root_only([7]), [[]]).drafted
     policy.record_step_ms(50.0)
     assert policy.gate.residual.ratio(1, ceiling) == 1.0
 
@@ -145,7 +144,9 @@ def test_a_new_batch_bucket_is_not_probed_at_once():
 def test_the_step_after_a_probe_decides_with_what_the_probe_saw():
     """A probe's trees reach the gate's curve before the next decision: else the plain streak
     the gate starts then would run a whole probe interval past what the probe found."""
-    tree = build_chain(np.arange(1, 9, dtype=np.int64), 7, np.full(8, -0.01))  # confident
+    tree = TreeBatch.from_trees(
+        [build_chain(np.arange(1, 9, dtype=np.int64), 7, np.full(8, -0.01))]
+    )  # confident
     policy = AdaptiveBudget(flat_cost(verify_ms=4.0, draft_ms=40.0), gate=DraftGate(probe_interval=2))
     policy.gate.record_curve(CONFIDENT[None, :] * 0.05, np.array([len(CONFIDENT)]))  # unsure so far
     for _ in range(10):
@@ -153,13 +154,13 @@ def test_the_step_after_a_probe_decides_with_what_the_probe_saw():
         if policy.probing:
             break
         policy.record_verify_ms(4.0)
-        policy.observe([build_chain(np.empty(0, dtype=np.int64), 7)], [[]])
+        policy.observe(TreeBatch.root_only([7]), [[]])
     assert policy.probing and ceiling > 0
     policy.record_draft_ms(40.0, catching_up=True)
-    allocation = policy.choose([tree], [ceiling])
-    verified = tree_prefix(tree, allocation.num_nodes[0])
+    allocation = policy.choose(tree, [ceiling])
+    verified = tree.prefix(allocation.num_nodes)
     policy.record_verify_ms(4.0)
-    policy.observe([verified], [list(range(1, verified.num_nodes))])  # every node accepted
+    policy.observe(verified, [list(range(1, int(verified.num_nodes[0])))])  # every node accepted
     before = policy.gate.curve.copy()
     policy.plan([8])
     assert policy.gate.curve[0] > before[0]

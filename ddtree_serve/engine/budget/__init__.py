@@ -14,7 +14,7 @@ from ddtree_serve.engine.budget.measure import (
     measure_cost_curve,
     powers_of_two_upto,
 )
-from ddtree_serve.engine.budget.policy import AdaptiveBudget, BudgetStep, tree_prefix
+from ddtree_serve.engine.budget.policy import AdaptiveBudget, BudgetStep
 
 __all__ = [
     "AcceptanceCalibrator",
@@ -35,5 +35,4 @@ __all__ = [
     "measure_cost_curve",
     "plain_decode_rate",
     "powers_of_two_upto",
-    "tree_prefix",
 ]

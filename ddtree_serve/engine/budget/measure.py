@@ -30,7 +30,7 @@ from ddtree_serve.engine.interfaces import (
     Target,
     VerifyInput,
 )
-from ddtree_serve.engine.tree_builder import build_host_trees
+from ddtree_serve.engine.tree_builder import build_host_tree_batch
 from ddtree_serve.tree import build_chain, build_verify_batch
 
 
@@ -101,12 +101,12 @@ class ModelCostProbe:
         self._drafts: dict[int, DraftOutput] = {}  # batch size -> a real draft to build from
 
     def build_ms(self, batch_size: int, ceiling: int) -> float:
-        """The engine's host build (heap trees, then the padded verify buffers) on a real draft."""
+        """The engine's host build (its trees, then the padded verify buffers) on a real draft."""
         if batch_size not in self._drafts:
             self._drafts[batch_size] = self._timed_draft(list(range(batch_size)))[0]
         draft = self._drafts[batch_size]
         started = time.perf_counter()
-        build_verify_batch(build_host_trees(draft.logp, draft.ids, [ceiling] * batch_size, [0] * batch_size))
+        build_host_tree_batch(draft.logp, draft.ids, [ceiling] * batch_size, [0] * batch_size).verify_batch()
         return 1000.0 * (time.perf_counter() - started)
 
     def verify_ms(self, batch_size: int, tree_nodes: int) -> float:

@@ -15,8 +15,8 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
     learn()                       the observed step's lesson, calibration and cost refresh: the
                                   engine calls it while the next step's drafter runs; `choose`
                                   and `observe` call it first, so no lesson is skipped
-The trees verified are `tree_prefix(tree, n)` of the ones built, so the choice reads drafter
-outputs only and verification stays lossless.
+The trees verified are best-first prefixes of the ones built (`TreeBatch.prefix`), so the
+choice reads drafter outputs only and verification stays lossless.
 """
 
 from collections.abc import Sequence
@@ -30,7 +30,7 @@ from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
 from ddtree_serve.engine.budget.draft_gate import DraftGate
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
-from ddtree_serve.tree import DraftTree
+from ddtree_serve.tree import TreeBatch
 
 CALIBRATION_STEPS = 4
 """Drafted steps whose verified nodes the calibrator learns in one update: its statistics move
@@ -140,22 +140,21 @@ class AdaptiveBudget:
     def record_verify_ms(self, verify_ms: float) -> None:
         self._verify_ms = verify_ms
 
-    def choose(self, trees: Sequence[DraftTree], caps: Sequence[int]) -> Allocation:
+    def choose(self, trees: TreeBatch, caps: Sequence[int]) -> Allocation:
         """Draft nodes per request for trees built at their ceiling (`caps[i]` at most).
 
         The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
         the choice runs every step, so its work is a few array operations whatever the batch."""
         self.learn()
-        built = [tree.logws[1:] for tree in trees]
-        lengths = np.array([len(row) for row in built], dtype=np.int64)
-        logws = np.full((len(trees), int(lengths.max(initial=0))), -np.inf)
-        for row, tree_logws in enumerate(built):
-            logws[row, : len(tree_logws)] = tree_logws
+        lengths = trees.num_nodes - 1
+        width = int(lengths.max(initial=0))
+        built = np.arange(width) < lengths[:, None]
+        logws = np.where(built, trees.logws[:, 1 : 1 + width], -np.inf)
         raw = np.exp(logws)
         calibrated = self.calibrator.calibrate(raw)  # 0 stays 0: the map is anchored there
         self._raw_probs, self._built_lengths = raw, lengths  # what `observe` teaches the calibrator
         self._calibrated = calibrated  # ... and the gate's recent curve (`learn`)
-        draft_ms = self.cost.draft_ms(len(trees)) if self._draft_ms is None else self._draft_ms
+        draft_ms = self.cost.draft_ms(trees.batch_size) if self._draft_ms is None else self._draft_ms
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         if self.layout == "padded":
             uncut = min(caps) >= lengths.max(initial=0)
@@ -173,7 +172,7 @@ class AdaptiveBudget:
             self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
         return self._allocation
 
-    def observe(self, trees: Sequence[DraftTree], accepted_nodes: Sequence[Sequence[int]]) -> BudgetStep:
+    def observe(self, trees: TreeBatch, accepted_nodes: Sequence[Sequence[int]]) -> BudgetStep:
         """Ends a step: the verified trees and each one's accepted draft nodes (root excluded).
 
         The step's record is made now; what it teaches (only drafted steps teach the calibrator,
@@ -181,9 +180,9 @@ class AdaptiveBudget:
         while the next step's drafter runs, so the lesson costs the step no time of its own.
         """
         self.learn()  # a lesson never waits behind another: they are learned in step order
-        batch_size = len(trees)
+        batch_size = trees.batch_size
         drafted = self._allocation is not None
-        verified = [tree.num_nodes - 1 for tree in trees]  # draft nodes each tree verified
+        verified = (trees.num_nodes - 1).tolist()  # draft nodes each tree verified
         accepted = tuple(len(nodes) for nodes in accepted_nodes)
         self.last_step = BudgetStep(
             drafted=drafted,
@@ -291,20 +290,3 @@ class _Lesson:
     verify_ms: float | None
     nodes: _DraftedNodes | None  # None: a plain step (it teaches the cost curve only)
     probe: bool  # a probe after plain steps
-
-
-def tree_prefix(tree: DraftTree, num_draft_nodes: int) -> DraftTree:
-    """The first `num_draft_nodes` nodes of a best-first tree (and the root): itself a valid tree.
-
-    Best-first numbering puts parents before children and siblings in descending logw order, so
-    a prefix is ancestor-closed and keeps both orders.
-    """
-    end = min(num_draft_nodes, tree.num_nodes - 1) + 1
-    if end == tree.num_nodes:
-        return tree  # the whole tree: nothing writes a built tree, so no copy
-    return DraftTree(
-        token_ids=tree.token_ids[:end],
-        depths=tree.depths[:end],
-        parents=tree.parents[:end],
-        logws=tree.logws[:end],
-    )
