@@ -260,12 +260,12 @@ def run_simulation(args: argparse.Namespace, traces: list[TraceStep]) -> list[di
                 tokens += sum(_accepted_within(step, budget) + 1 for step in batch)
                 ms += (
                     cost.draft_ms(concurrency)
-                    + float(build.ms(concurrency, concurrency * budget))
+                    + float(build.ms(concurrency, concurrency * budget, budget))
                     + float(cost.verify_ms(concurrency, concurrency * (budget + 1)))
                 )
             row[f"ddtree-{budget}"] = 1000.0 * tokens / ms
         row["adaptive"] = _simulate_adaptive(steps, _simulation_cost(args), max(budgets), build, build)
-        if build.per_node_ms or build.per_step_ms or build.per_request_ms:
+        if build.per_node_ms or build.per_step_ms or build.per_request_ms or build.lockstep_per_pop_ms:
             # The policy as it was before it priced the build: the same steps, the same charge.
             row["adaptive-forwards-only"] = _simulate_adaptive(
                 steps, _simulation_cost(args), max(budgets), build, BuildCost(0.0, 0.0, 0.0)
@@ -295,7 +295,7 @@ def fit_build_cost(sweep: dict, traces: list[TraceStep], cost: CostCurve) -> Bui
     Per concurrency c and fixed budget b: the measured step time (tau_b * c / tokens per s, tau_b
     from the traces' greedy acceptance within b nodes) minus the curve's draft and verify
     forwards, minus what a plain step costs beyond its forward (the same row's ar), fitted
-    linearly in (1, c, c * b). A model of that machine's host work, for simulations.
+    as `BuildCost.fit` does. A model of that machine's host work, for simulations.
     """
     points = []
     for row in sweep["rows"]:
@@ -308,7 +308,7 @@ def fit_build_cost(sweep: dict, traces: list[TraceStep], cost: CostCurve) -> Bui
             forwards = cost.draft_ms(concurrency) + float(
                 cost.verify_ms(concurrency, concurrency * (budget + 1))
             )
-            points.append((concurrency, concurrency * budget, measured - forwards - plain_extra))
+            points.append((concurrency, concurrency * budget, budget, measured - forwards - plain_extra))
     return BuildCost.fit(points)
 
 
@@ -331,7 +331,7 @@ def _simulate_adaptive(
             built = traced.prefix([step_ceiling] * len(batch))
             allocation = policy.choose(built, [step_ceiling] * len(batch))
             num_nodes = allocation.num_nodes
-            draft_ms += float(charged.ms(len(batch), int((built.num_nodes - 1).sum())))
+            draft_ms += float(charged.ms(len(batch), int((built.num_nodes - 1).sum()), step_ceiling))
         else:
             draft_ms, num_nodes = 0.0, (0,) * len(batch)
         trees = traced.prefix(num_nodes)

@@ -29,16 +29,12 @@ from ddtree_serve.tree import (
     build_ddtree,
     build_ddtree_batch,
     build_ddtrees,
+    lockstep_pays,
     num_device_tree_nodes,
 )
 
 TreePlacement = Literal["host", "device"]
 """Where trees are built: "device" = where the draft lies (CUDA or, in tests, the CPU)."""
-
-LOCKSTEP_BREAK_EVEN = 20
-"""Requests at the largest budget above which the lockstep build beats one heap per request:
-a lockstep pop costs about as much array work as this many heap pops (measured on the 2-core
-CPU: ~35 us against ~1.7 us at batch 64, budget 32)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +124,7 @@ def build_host_tree_batch(
         return TreeBatch.from_trees(
             [build_chain(ids_np[b, :, 0], root, logp_np[b, :, 0]) for b, root in enumerate(root_tokens)]
         )
-    if sum(budgets) > LOCKSTEP_BREAK_EVEN * max(budgets, default=0):
+    if budgets and lockstep_pays(sum(budgets), max(budgets)):
         return build_ddtrees(logp_np, ids_np, budgets, root_tokens)
     return TreeBatch.from_trees(
         [

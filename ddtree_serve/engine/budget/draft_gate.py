@@ -209,7 +209,8 @@ class DraftGate:
         batch_size = len(caps)
         candidates = powers_of_two_upto(max(caps))
         nodes_built = _nodes_built(caps, candidates)
-        draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms + build.ms(batch_size, nodes_built)
+        build_ms = build.ms(batch_size, nodes_built, np.minimum(candidates, max(caps)))
+        draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms + build_ms
         rates, step_ms = ceiling_rates(self.curve, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
         ratios = np.array([self.residual.ratio(batch_size, c) for c in candidates])
         return candidates, rates / ratios, step_ms
@@ -228,7 +229,7 @@ class DraftGate:
         for candidate, nodes in zip(candidates, nodes_built, strict=True):
             step_ms = (
                 draft_ms
-                + float(build.ms(batch_size, nodes))
+                + float(build.ms(batch_size, nodes, min(candidate, max(caps))))
                 + float(cost.verify_ms(batch_size, batch_size * (candidate + 1)))
             )
             if step_ms <= FIRST_STEP_PLAIN_STEPS * plain_ms:

@@ -81,7 +81,7 @@ def measure_build_cost(
         for ceiling in ceilings:
             probe.build_ms(batch_size, ceiling)
             fastest = min(probe.build_ms(batch_size, ceiling) for _ in range(repeats))
-            points.append((batch_size, batch_size * ceiling, fastest))
+            points.append((batch_size, batch_size * ceiling, ceiling, fastest))
     return BuildCost.fit(points)
 
 

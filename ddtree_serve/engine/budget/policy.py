@@ -235,7 +235,8 @@ class AdaptiveBudget:
             return
         self.gate.record_curve(nodes.calibrated, nodes.built_lengths)
         if nodes.build_ms is not None:
-            self.build.observe(lesson.batch_size, int(nodes.built_lengths.sum()), nodes.build_ms)
+            built = nodes.built_lengths
+            self.build.observe(lesson.batch_size, int(built.sum()), int(built.max(initial=0)), nodes.build_ms)
         # The verified trees are prefixes of the built ones: their nodes' drafter
         # probabilities are the first `num_nodes - 1` of each built tree's row.
         lengths = np.asarray(nodes.verified)
