@@ -33,6 +33,7 @@ from ddtree_serve.engine.budget import (
     measure_cost_curve,
     powers_of_two_upto,
 )
+from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
     Drafter,
@@ -123,6 +124,10 @@ class SpecEngine:
         # the step drafts and verifies (a streaming caller's time to first token); None: they come
         # with the step's other outputs.
         self.on_first_tokens: Callable[[list[RequestOutput]], None] | None = None
+        # The verify graphs a graphed target holds, for the adaptive choice to keep to.
+        self.graph_shapes = None
+        if settings.budget_policy == "adaptive" and target.verify_token_buckets is not None:
+            self.graph_shapes = VerifyGraphShapes(target.verify_token_buckets, target.max_seq_len)
         self.budget_policy = None
         if settings.budget_policy == "adaptive":
             self.budget_policy = budget_policy or self._adaptive_budget()
@@ -149,6 +154,10 @@ class SpecEngine:
             batch_sizes = buckets_upto(BATCH_BUCKETS, self.settings.max_num_seqs)
             tree_tokens = buckets_upto(buckets, self.max_tree_tokens)
         cost = measure_cost_curve(probe, batch_sizes, tree_tokens)
+        if self.graph_shapes is not None:  # the calibration's verifies captured these graphs
+            for batch_size in batch_sizes:
+                for num_nodes in tree_tokens:
+                    self.graph_shapes.record(batch_size, num_nodes, len(probe.prompt))
         return AdaptiveBudget(cost, build, token_buckets=buckets)
 
     # ----------------------------------------------------------------------------- requests
@@ -452,9 +461,14 @@ class SpecEngine:
         roots = [_bonus(r) for r in requests]
         built = build_host_tree_batch(draft.logp, draft.ids, caps[:drafted], roots[:drafted])
         built = built.with_root_only(roots[drafted:])
-        allocation = policy.choose(built, caps)
+        captured = None
+        if self.graph_shapes is not None:
+            max_start = max(r.num_cached_tokens for r in requests)
+            captured = self.graph_shapes.captured_buckets(len(requests), max_start)
+        allocation = policy.choose(built, caps, captured)
         trees = built.prefix(allocation.num_nodes)
-        batch = BuiltTrees(trees.verify_batch(), trees.num_nodes.tolist(), trees)
+        padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)
+        batch = BuiltTrees(trees.verify_batch(n_max=padded), trees.num_nodes.tolist(), trees)
         policy.record_build_ms(1000.0 * (time.perf_counter() - started))
         return batch
 
@@ -469,6 +483,9 @@ class SpecEngine:
 
     def _verify_input(self, requests: list[Request], trees: BuiltTrees) -> VerifyInput:
         """The verify call of `requests`: their trees, sampling knobs and coins."""
+        if self.graph_shapes is not None:
+            max_start = max(r.num_cached_tokens for r in requests)
+            self.graph_shapes.record(len(requests), trees.batch.padded_num_nodes, max_start)
         sampling = _sampling_batch([r.params for r in requests], self.vocab_size)
         coins = coin_final = None
         if not sampling.all_greedy:

@@ -33,6 +33,19 @@ def pick_bucket(size: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= size), None)
 
 
+def verify_bucket(
+    batch_size: int, num_nodes: int, max_start: int, max_rows: int
+) -> tuple[int, int, int] | None:
+    """The verify graph a call runs: (padded batch, padded tree tokens, cache rows), or None
+    when it runs eagerly. `max_start`: the batch's longest cached context."""
+    padded_batch = pick_bucket(batch_size, BATCH_BUCKETS)
+    padded_nodes = pick_bucket(num_nodes, TOKEN_BUCKETS)
+    if padded_batch is None or padded_nodes is None:
+        return None
+    num_rows = row_bucket(max_start + padded_nodes, max_rows)
+    return None if num_rows is None else (padded_batch, padded_nodes, num_rows)
+
+
 def row_bucket(rows: int, max_rows: int, min_rows: int = 256) -> int | None:
     """Cache rows an attention reads, padded to a power of two (at least `min_rows`).
 

@@ -20,12 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddtree_serve.models.cuda_graphs import (
-    BATCH_BUCKETS,
-    TOKEN_BUCKETS,
     StaticForward,
     new_graph_pool,
-    pick_bucket,
-    row_bucket,
+    verify_bucket,
 )
 from ddtree_serve.models.families import TargetModel
 from ddtree_serve.models.kv_cache import CacheWriter, SlotIndex, SlotKVCache
@@ -105,12 +102,7 @@ class TargetGraphs:
 
     def bucket(self, batch_size: int, num_nodes: int, max_start: int) -> tuple[int, int, int] | None:
         """(padded batch, padded tokens, cache rows) for a call, or None when it runs eagerly."""
-        padded_batch = pick_bucket(batch_size, BATCH_BUCKETS)
-        padded_nodes = pick_bucket(num_nodes, TOKEN_BUCKETS)
-        if padded_batch is None or padded_nodes is None:
-            return None
-        num_rows = row_bucket(max_start + padded_nodes, self.cache.max_seq_len)
-        return None if num_rows is None else (padded_batch, padded_nodes, num_rows)
+        return verify_bucket(batch_size, num_nodes, max_start, self.cache.max_seq_len)
 
     @torch.inference_mode()
     def verify(

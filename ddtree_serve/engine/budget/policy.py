@@ -140,9 +140,14 @@ class AdaptiveBudget:
     def record_verify_ms(self, verify_ms: float) -> None:
         self._verify_ms = verify_ms
 
-    def choose(self, trees: TreeBatch, caps: Sequence[int]) -> Allocation:
+    def choose(
+        self, trees: TreeBatch, caps: Sequence[int], captured: Sequence[int] | None = None
+    ) -> Allocation:
         """Draft nodes per request for trees built at their ceiling (`caps[i]` at most).
 
+        `captured`: the tree-token buckets a graphed target has graphs for at this step's batch
+        and context (`graph_shapes.py`; None: any of `token_buckets`): the widest tree then
+        fills one of them, so the step captures nothing new.
         The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
         the choice runs every step, so its work is a few array operations whatever the batch."""
         self.learn()
@@ -157,14 +162,17 @@ class AdaptiveBudget:
         draft_ms = self.cost.draft_ms(trees.batch_size) if self._draft_ms is None else self._draft_ms
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         if self.layout == "padded":
-            uncut = min(caps) >= lengths.max(initial=0)
+            widest = min(caps) if captured is None else min(min(caps), captured[-1] - 1)
+            uncut = widest >= lengths.max(initial=0)
             usable = lengths if uncut else np.minimum(lengths, np.maximum(np.asarray(caps), 0))
+            if captured is not None:
+                usable = np.minimum(usable, captured[-1] - 1)
             self._allocation = allocate_padded_rows(
                 calibrated,
                 usable,
                 self.cost,
                 draft_ms=draft_ms,
-                token_buckets=self.token_buckets,
+                token_buckets=self.token_buckets if captured is None else tuple(captured),
                 ordered=uncut,  # the calibrated map is monotone: each row keeps its tree's order
             )
         else:

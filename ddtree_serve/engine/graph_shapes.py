@@ -1,0 +1,49 @@
+"""`VerifyGraphShapes`: which verify graphs a graphed target has captured, seen from the engine.
+
+A graphed target captures one CUDA graph per (batch bucket, tree-token bucket, cache-row
+bucket) the first time a step meets it (`models.cuda_graphs.verify_bucket`); on the H200 a
+capture costs ~18 ms, five steps of the bundled pair. The start-up calibration captures every
+width at short contexts, but once the batch's contexts cross into the next row bucket every
+width is new again. A fixed budget meets one width there and pays one capture; an adaptive
+budget that moves between widths paid one per width (20 ms steps in a 4 ms stream at 256
+tokens on the H200). So the engine remembers the shapes it has verified and the adaptive
+choice takes its widths among the captured ones; where none is (a new row bucket) it chooses
+freely, as a fixed budget would.
+"""
+
+from collections.abc import Sequence
+
+from ddtree_serve.models.cuda_graphs import verify_bucket
+
+
+class VerifyGraphShapes:
+    """The verify shapes a graphed target has run, as its graph keys."""
+
+    def __init__(self, token_buckets: Sequence[int], max_seq_len: int) -> None:
+        self.token_buckets = tuple(token_buckets)
+        self.max_seq_len = max_seq_len
+        self._captured: set[tuple[int, int, int]] = set()
+
+    def record(self, batch_size: int, num_nodes: int, max_start: int) -> None:
+        """A verify of `batch_size` trees padded to `num_nodes` nodes ran at `max_start`."""
+        key = verify_bucket(batch_size, num_nodes, max_start, self.max_seq_len)
+        if key is not None:
+            self._captured.add(key)
+
+    def captured_buckets(self, batch_size: int, max_start: int) -> tuple[int, ...] | None:
+        """Tree-token buckets whose graph exists for this batch and context, ascending; None
+        when no drafted width has one (every width would capture: choose freely)."""
+        captured = tuple(
+            bucket
+            for bucket in self.token_buckets
+            if verify_bucket(batch_size, bucket, max_start, self.max_seq_len) in self._captured
+        )
+        return captured if any(bucket > 1 for bucket in captured) else None
+
+    @staticmethod
+    def padded_nodes(num_nodes: int, buckets: Sequence[int] | None) -> int | None:
+        """The captured bucket a tree of `num_nodes` nodes is padded to (None: the target's
+        own padding), so the verify runs a graph that exists."""
+        if buckets is None:
+            return None
+        return next((bucket for bucket in buckets if bucket >= num_nodes), None)

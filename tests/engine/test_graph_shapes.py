@@ -1,0 +1,99 @@
+"""The adaptive choice keeps to the verify graphs a graphed target has captured."""
+
+import json
+from collections import defaultdict
+
+import numpy as np
+
+from ddtree_serve.engine.budget import AdaptiveBudget, CostCurve
+from ddtree_serve.engine.builder import build_draft_step, build_target_step
+from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
+from ddtree_serve.engine.interfaces import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS, verify_bucket
+from ddtree_serve.tree import TreeBatch, build_chain
+from tests.engine.conftest import run_to_completion
+from tests.engine.fakes import RecordingTarget
+from tests.engine.test_budget_engine import steer_by_the_file
+
+
+def test_captured_buckets_are_per_batch_bucket_and_row_bucket():
+    shapes = VerifyGraphShapes(TOKEN_BUCKETS, max_seq_len=1024)
+    shapes.record(4, 17, max_start=8)
+    shapes.record(4, 33, max_start=8)
+    shapes.record(4, 1, max_start=300)
+    assert shapes.captured_buckets(3, max_start=20) == (17, 33)  # batch 3 runs batch 4's graphs
+    assert shapes.captured_buckets(8, max_start=20) is None  # another batch bucket
+    assert shapes.captured_buckets(4, max_start=300) is None  # rows 512: only the root-only graph
+    shapes.record(4, 9, max_start=300)
+    assert shapes.captured_buckets(4, max_start=300) == (1, 9)
+    # At 240 cached tokens the rows a width reads depend on it: 240 + 33 is the 512-row bucket.
+    shapes.record(4, 33, max_start=240)
+    assert shapes.captured_buckets(4, max_start=240) == (33,)
+    assert VerifyGraphShapes.padded_nodes(10, (1, 17, 33)) == 17
+    assert VerifyGraphShapes.padded_nodes(18, (1, 17, 33)) == 33
+    assert VerifyGraphShapes.padded_nodes(10, None) is None
+
+
+def test_the_widest_tree_fills_a_captured_bucket():
+    cost = CostCurve([1], [1, 64], [[1.0, 1.0]], draft_ms=[0.0])  # free nodes: the widest pays
+    tree = TreeBatch.from_trees([build_chain(np.arange(1, 33), 7, np.full(32, -0.01))])
+    free = AdaptiveBudget(cost, token_buckets=TOKEN_BUCKETS).choose(tree, [32])
+    kept = AdaptiveBudget(cost, token_buckets=TOKEN_BUCKETS).choose(tree, [32], captured=(1, 9))
+    assert free.num_nodes == (32,) and kept.num_nodes == (8,)
+
+
+class GraphedTarget(RecordingTarget):
+    """The CPU target, claiming graph buckets; records each verify's graph key."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.cached: dict[int, int] = {}
+        self.keys: list[tuple[int, int, int]] = []
+
+    @property
+    def verify_token_buckets(self) -> tuple[int, ...] | None:
+        return TOKEN_BUCKETS
+
+    def prefill(self, inputs: PrefillInput) -> PrefillOutput:
+        output = super().prefill(inputs)
+        self.cached.update(zip(inputs.slots, output.num_cached_tokens, strict=True))
+        return output
+
+    def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        max_start = max(self.cached[slot] for slot in inputs.slots)
+        key = verify_bucket(len(inputs.slots), inputs.batch.padded_num_nodes, max_start, self.max_seq_len)
+        self.keys.append(key)
+        output = super().verify_and_commit(inputs)
+        self.cached.update(zip(inputs.slots, output.num_cached_tokens, strict=True))
+        return output
+
+
+def test_past_the_calibrated_rows_each_batch_keeps_one_drafted_width(
+    make_pair_config, prompt_ids, pair_tokenizer, tmp_path
+):
+    """Contexts cross from the 256-row bucket into the 512 one: every drafted verify there runs
+    the width its first one captured, and the output is still plain greedy decoding's."""
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, max_seq_len=1024)
+    target = GraphedTarget(build_target_step(config))
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    plain = SpecEngine(config.model_copy(update={"mode": "ar"}).to_settings(), target, None, pair_tokenizer)
+    for i, prompt in enumerate(prompt_ids):
+        plain.add_request(str(i), prompt, params)
+    expected = run_to_completion(plain)
+    target.keys.clear()
+    moderate = tmp_path / "moderate.json"  # nodes priced so widths vary (8, 9, 16, 17) unkept
+    moderate.write_text(json.dumps({"tokens": [1, 64], "ms": [10.0, 30.0], "draft_ms": 1.0}))
+    adaptive_config = config.model_copy(update={"budget_policy": "adaptive", "cost_curve": str(moderate)})
+    engine = SpecEngine(adaptive_config.to_settings(), target, build_draft_step(config), pair_tokenizer)
+    steer_by_the_file(engine)
+    for i, prompt in enumerate(prompt_ids):
+        engine.add_request(str(i), prompt, params)
+    assert run_to_completion(engine) == expected
+    widths: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for padded_batch, padded_nodes, num_rows in target.keys:
+        if num_rows > 256 and padded_nodes > 1:
+            widths[padded_batch, num_rows].add(padded_nodes)
+    assert widths, "no drafted step ran past the first row bucket"
+    assert all(len(seen) == 1 for seen in widths.values()), dict(widths)
