@@ -13,7 +13,7 @@ freely, as a fixed budget would.
 
 from collections.abc import Sequence
 
-from ddtree_serve.models.cuda_graphs import verify_bucket
+from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS, pick_bucket, row_bucket, verify_bucket
 
 
 class VerifyGraphShapes:
@@ -22,23 +22,26 @@ class VerifyGraphShapes:
     def __init__(self, token_buckets: Sequence[int], max_seq_len: int) -> None:
         self.token_buckets = tuple(token_buckets)
         self.max_seq_len = max_seq_len
-        self._captured: set[tuple[int, int, int]] = set()
+        # (padded batch, cache rows) -> the tree-token buckets captured there.
+        self._captured: dict[tuple[int, int], set[int]] = {}
 
     def record(self, batch_size: int, num_nodes: int, max_start: int) -> None:
         """A verify of `batch_size` trees padded to `num_nodes` nodes ran at `max_start`."""
         key = verify_bucket(batch_size, num_nodes, max_start, self.max_seq_len)
         if key is not None:
-            self._captured.add(key)
+            padded_batch, padded_nodes, num_rows = key
+            self._captured.setdefault((padded_batch, num_rows), set()).add(padded_nodes)
 
     def captured_buckets(self, batch_size: int, max_start: int) -> tuple[int, ...] | None:
         """Tree-token buckets whose graph exists for this batch and context, ascending; None
         when no drafted width has one (every width would capture: choose freely)."""
-        captured = tuple(
-            bucket
-            for bucket in self.token_buckets
-            if verify_bucket(batch_size, bucket, max_start, self.max_seq_len) in self._captured
-        )
-        return captured if any(bucket > 1 for bucket in captured) else None
+        padded_batch = pick_bucket(batch_size, BATCH_BUCKETS)
+        captured = []
+        for bucket in self.token_buckets:  # a wider tree may read the next row bucket
+            num_rows = row_bucket(max_start + bucket, self.max_seq_len)
+            if num_rows is not None and bucket in self._captured.get((padded_batch, num_rows), ()):
+                captured.append(bucket)
+        return tuple(captured) if any(bucket > 1 for bucket in captured) else None
 
     @staticmethod
     def padded_nodes(num_nodes: int, buckets: Sequence[int] | None) -> int | None:

@@ -11,6 +11,7 @@ how the padding stays isolated. With `capture=False` the same padded forward run
 the reference a replay is compared with, and what a CPU runs for tests.
 """
 
+import bisect
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -29,8 +30,9 @@ with its root; a block-16 chain has 16), so common trees pad to their own size."
 
 
 def pick_bucket(size: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket that holds `size`, or None when none does."""
-    return next((b for b in buckets if b >= size), None)
+    """The smallest bucket that holds `size`, or None when none does (`buckets` ascending)."""
+    index = bisect.bisect_left(buckets, size)
+    return buckets[index] if index < len(buckets) else None
 
 
 def verify_bucket(
