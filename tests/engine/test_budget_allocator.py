@@ -202,7 +202,20 @@ def test_gate_follows_the_recent_curve():
     record_curve(gate, np.array([0.8, 0.4]), np.array([0.6]))
     np.testing.assert_allclose(gate.curve, [0.7, 0.4])
     record_curve(gate, np.array([0.2, 0.2, 0.2]))
-    np.testing.assert_allclose(gate.curve, [0.45, 0.3, 0.1])
+    # Known positions blend; the third, reached for the first time, starts as measured.
+    np.testing.assert_allclose(gate.curve, [0.45, 0.3, 0.2])
+
+
+def test_one_probe_past_the_ceilings_prices_the_wider_ceiling_at_its_gain():
+    """Narrow trees for a while, then one probe twice as wide finds its extra nodes as likely
+    as the first ones: the wider ceiling wins at once (not after several probes)."""
+    cost = CostCurve([1], [1.0, 64.0], [[10.0, 10.5]], draft_ms=[0.5])  # nodes nearly free
+    gate = DraftGate(curve_weight=0.3)
+    for _ in range(20):
+        gate.record_curve(np.full((1, 8), 0.9), np.array([8]))
+    gate.record_curve(np.full((1, 16), 0.9), np.array([16]))  # the probe
+    rates, _ = ceiling_rates(gate.curve, [16], [8, 16], cost, draft_ms=np.zeros(2), layout="padded")
+    assert rates[1] > 1.5 * rates[0]
 
 
 def random_draft(seed: int, depth: int = 6, k: int = 4, vocab: int = 50):

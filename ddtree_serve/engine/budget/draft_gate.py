@@ -249,9 +249,13 @@ class DraftGate:
         if self.curve is None:
             self.curve = step_curve
             return
-        if width > len(self.curve):
-            self.curve = np.concatenate((self.curve, np.zeros(width - len(self.curve))))
-        self.curve[:width] += self.curve_weight * (step_curve - self.curve[:width])
+        known = min(width, len(self.curve))
+        self.curve[:known] += self.curve_weight * (step_curve[:known] - self.curve[:known])
+        if width > known:
+            # Positions no tree reached before (a probe past the ceilings so far) start as
+            # measured: blended up from zero they would price the wider ceiling at a third of
+            # its gain, and the next probe is a probe interval away.
+            self.curve = np.concatenate((self.curve, step_curve[known:]))
 
 
 def _nodes_built(caps: Sequence[int], ceilings: Sequence[int]) -> np.ndarray:
