@@ -457,14 +457,17 @@ class SpecEngine:
         The draft covers the first requests only (all, but for a probe): the rest verify their root."""
         started = time.perf_counter()
         drafted = len(draft.num_context_tokens)  # checked against the drafted requests in `_draft`
-        caps = [min(self._budget(r), policy.ceiling) if i < drafted else 0 for i, r in enumerate(requests)]
-        roots = [_bonus(r) for r in requests]
-        built = build_host_tree_batch(draft.logp, draft.ids, caps[:drafted], roots[:drafted])
-        built = built.with_root_only(roots[drafted:])
         captured = None
+        ceiling = policy.ceiling
         if self.graph_shapes is not None:
             max_start = max(r.num_cached_tokens for r in requests)
             captured = self.graph_shapes.captured_buckets(len(requests), max_start)
+            if captured is not None:  # no tree wider than a captured graph is built
+                ceiling = min(ceiling, captured[-1] - 1)
+        caps = [min(self._budget(r), ceiling) if i < drafted else 0 for i, r in enumerate(requests)]
+        roots = [_bonus(r) for r in requests]
+        built = build_host_tree_batch(draft.logp, draft.ids, caps[:drafted], roots[:drafted])
+        built = built.with_root_only(roots[drafted:])
         allocation = policy.choose(built, caps, captured)
         trees = built.prefix(allocation.num_nodes)
         padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)
@@ -517,7 +520,7 @@ class SpecEngine:
         if self.budget_policy is not None and trees.host is not None:
             accept_index = verdict.accept_index.tolist()
             accepted = [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)]
-            self.budget_policy.observe(trees.host, accepted)
+            self.budget_policy.observe(trees.host, accepted, trees.batch.padded_num_nodes)
         for i, request in enumerate(requests):
             request.num_cached_tokens = verdict.num_cached_tokens[i]
             new_tokens = [*accept_tokens[i][1 : 1 + accept_len[i]], bonus_tokens[i]]

@@ -12,8 +12,9 @@ class DraftTree:
     """A draft tree in node order: root (the bonus token) at index 0, parents before children.
 
     All arrays have length `num_nodes` (= n + 1). Among the children of one node, index order is
-    descending `logws` order (ties broken by draft rank); `build_verify_batch` relies on it only
-    through `children()`, which sorts anyway, so hand-made trees need not follow it.
+    descending `logws` order (ties broken by draft rank): `build_verify_batch` sorts anyway
+    (`children()`), so hand-made trees need not follow it; `TreeBatch.verify_batch` relies on it
+    and takes the builders' trees only.
     """
 
     token_ids: np.ndarray  # [n+1] int64, token_ids[0] = root token

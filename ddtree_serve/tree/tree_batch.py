@@ -37,7 +37,8 @@ class TreeBatch:
 
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree]) -> TreeBatch:
-        """Stack best-first trees (the builders' output, or prefixes of it)."""
+        """Stack best-first trees (the builders' output, or prefixes of it; not hand-made trees,
+        whose sibling order `verify_batch` would not see)."""
         num_nodes = np.array([tree.num_nodes for tree in trees], dtype=np.int64)
         width = int(num_nodes.max(initial=1))
         tokens, depths, parents = np.zeros((3, len(trees), width), dtype=np.int64)
@@ -58,9 +59,9 @@ class TreeBatch:
 
     def with_root_only(self, root_tokens: Sequence[int]) -> TreeBatch:
         """These trees, then one root-only tree per `root_tokens` entry (requests not drafted)."""
-        if not root_tokens:
-            return self
         extra = len(root_tokens)
+        if extra == 0:
+            return self
 
         def grown(plane: np.ndarray, root_value: int | float, pad: int | float) -> np.ndarray:
             rows = np.full((extra, plane.shape[1]), pad, dtype=plane.dtype)
@@ -87,20 +88,18 @@ class TreeBatch:
             logws=self.logws[row, :n],
         )
 
-    def trees(self) -> list[DraftTree]:
-        return [self.tree(row) for row in range(self.batch_size)]
-
     def prefix(self, num_draft_nodes: Sequence[int]) -> TreeBatch:
         """Each row cut to its first `num_draft_nodes[b]` draft nodes (and the root): a best-first
         prefix is ancestor-closed and keeps both orders, so it is again a `TreeBatch`."""
-        wanted = np.asarray(num_draft_nodes, dtype=np.int64) + 1
+        wanted = np.maximum(np.asarray(num_draft_nodes, dtype=np.int64), 0) + 1
         return TreeBatch(
             self.tokens, self.depths, self.parents, self.logws, np.minimum(self.num_nodes, wanted)
         )
 
     def verify_batch(self, n_max: int | None = None) -> VerifyBatch:
         """The padded `VerifyBatch` of these trees (N = n_max, default the largest tree): equal to
-        `build_verify_batch(self.trees(), n_max)`, without its per-tree sorts."""
+        `build_verify_batch` of the rows' trees for finite drafts (a NaN logw would sort last
+        there and keep its index here), without its per-tree sorts."""
         batch_size = self.batch_size
         largest = int(self.num_nodes.max(initial=1))
         padded_num_nodes = largest if n_max is None else n_max

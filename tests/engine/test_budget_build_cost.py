@@ -90,3 +90,23 @@ def test_negative_coefficients_are_refused():
         BuildCost(0.0, -1.0, 0.0)
     with pytest.raises(ValueError, match=">= 0"):
         BuildCost(0.0, 0.0, 0.0, lockstep_per_pop_ms=-0.1)
+
+
+class OneLockstepBatchProbe(TwoBuildersProbe):
+    """Lockstep time all per pop; the grid times one lockstep batch size only (max_num_seqs 24)."""
+
+    def build_ms(self, batch_size: int, ceiling: int) -> float:
+        if lockstep_pays(batch_size * ceiling, ceiling):
+            return 0.2 + 0.01 * batch_size + 0.05 * ceiling
+        return super().build_ms(batch_size, ceiling)
+
+
+def test_one_lockstep_batch_size_prices_its_pops_not_an_arbitrary_split():
+    """With a single lockstep batch its nodes are a multiple of its pops: the fit must not split
+    the time between them (a split would misprice every other lockstep batch)."""
+    cost = measure_build_cost(OneLockstepBatchProbe(), [1, 4, 16, 24], [1, 8, 32, 64], repeats=1)
+    assert cost.lockstep_per_node_ms == 0.0
+    for batch_size in (21, 48, 64):
+        assert float(cost.ms(batch_size, batch_size * 32, 32)) == pytest.approx(
+            0.2 + 0.01 * batch_size + 0.05 * 32
+        )

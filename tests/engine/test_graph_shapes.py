@@ -97,3 +97,36 @@ def test_past_the_calibrated_rows_each_batch_keeps_one_drafted_width(
             widths[padded_batch, num_rows].add(padded_nodes)
     assert widths, "no drafted step ran past the first row bucket"
     assert all(len(seen) == 1 for seen in widths.values()), dict(widths)
+
+
+def confident_policy() -> tuple[AdaptiveBudget, TreeBatch, int]:
+    cost = CostCurve([1], [1, 64], [[1.0, 1.0]], draft_ms=[0.0])  # free nodes: the widest pays
+    policy = AdaptiveBudget(cost, token_buckets=TOKEN_BUCKETS)
+    policy.gate.record_curve(np.full((1, 32), 0.9), np.array([32]))
+    ceiling = policy.plan([32])
+    assert ceiling == 32
+    tree = TreeBatch.from_trees([build_chain(np.arange(1, 33), 7, np.full(32, -0.01))])
+    return policy, tree, ceiling
+
+
+def test_a_step_cut_by_captured_graphs_teaches_its_ceiling_no_step_time():
+    for captured, taught in ((None, True), ((1, 9), False)):
+        policy, tree, ceiling = confident_policy()
+        allocation = policy.choose(tree, [32], captured)
+        policy.record_verify_ms(1.0)
+        policy.observe(tree.prefix(allocation.num_nodes), [[]])
+        policy.record_step_ms(50.0)  # far off the prediction: a ratio would move
+        assert (policy.gate.residual.ratio(1, ceiling) != 1.0) == taught
+
+
+def test_the_cost_curve_learns_the_width_the_verify_ran():
+    """A 4-node tree verified in the captured 17-node graph: the lesson is a 17-token forward."""
+    policy, _, _ = confident_policy()
+    short = TreeBatch.from_trees([build_chain(np.arange(1, 5), 7, np.full(4, -0.01))])
+    observed = []
+    policy.cost.observe_verify = lambda batch_size, tokens, ms: observed.append(tokens)
+    allocation = policy.choose(short, [32], (1, 17))
+    policy.record_verify_ms(1.0)
+    policy.observe(short.prefix(allocation.num_nodes), [[]], padded_num_nodes=17)
+    policy.learn()
+    assert allocation.num_nodes == (4,) and observed == [17]

@@ -5,7 +5,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from ddtree_serve.tree import DraftTree, TreeBatch, build_ddtree, build_ddtrees, draft_topk
+from ddtree_serve.tree import (
+    DraftTree,
+    TreeBatch,
+    build_ddtree,
+    build_ddtrees,
+    build_verify_batch,
+    draft_topk,
+)
 from tests.tree.drafts import draft_batches
 
 TREE_FIELDS = ("token_ids", "depths", "parents", "logws")
@@ -75,3 +82,23 @@ def test_no_positions_no_ranks_or_no_budget_give_the_root_alone() -> None:
         )
         assert built.num_nodes.tolist() == [1, 1]
         assert [built.tree(b).token_ids.tolist() for b in range(2)] == [[4], [6]]
+
+
+def test_tie_free_rows_stay_in_lockstep_and_its_planes_give_the_same_buffers(monkeypatch) -> None:
+    """Float drafts have no frontier ties: no row goes to the heap builder, and the lockstep
+    planes (unspecified past each tree) give `build_verify_batch`'s buffers of the heap's trees."""
+    generator = torch.Generator().manual_seed(5)
+    logp, ids = draft_topk(torch.randn(24, 15, 500, generator=generator) * 4, 32)
+    budgets = torch.randint(0, 33, (24,), generator=generator).tolist()
+    logp_np, ids_np = logp.numpy(), ids.numpy()
+    expected = heap_trees(logp_np, ids_np, budgets, list(range(24)))
+
+    def no_heap(*args, **kwargs):
+        raise AssertionError("a tie-free row went to the heap builder")
+
+    monkeypatch.setattr("ddtree_serve.tree.ddtree_batch.build_ddtree", no_heap)
+    built = build_ddtrees(logp_np, ids_np, budgets, list(range(24)))
+    assert_rows_are(built, expected)
+    reference = build_verify_batch(expected)
+    for field in ("tokens", "depths", "parents", "retrieve_next_token", "retrieve_next_sibling", "attn_mask"):
+        assert torch.equal(getattr(built.verify_batch(), field), getattr(reference, field)), field

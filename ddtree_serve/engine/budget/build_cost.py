@@ -1,13 +1,14 @@
 """What the host build stage costs: the price of a tree ceiling before any model runs.
 
-A drafted step builds every request's tree on the host at the step's ceiling (the heap builder,
-then the padded verify buffers) before the allocator cuts it. That time is paid whatever the
-allocator then verifies, and it grows with the nodes built: on the H200 the bundled pair's
-verify forward of 64 requests takes ~2.5 ms while building their 64-node trees with one heap
-each took ~15 ms (bench/results/budget_sweep_h200.md), so a policy that prices only the
-forwards builds big trees that lose. The engine builds one heap per request at small batches
-and all of them in lockstep at large ones (`lockstep_pays`), whose time grows with the largest
-budget instead of with the nodes, so the policy prices a ceiling by the builder it will run:
+A drafted step builds every request's tree on the host at the step's ceiling (a heap per
+request or all of them in lockstep, then the padded verify buffers) before the allocator cuts
+it. That time is paid whatever the allocator then verifies, and it grows with the nodes built:
+on the H200 the bundled pair's verify forward of 64 requests takes ~2.5 ms while building
+their 64-node trees with one heap each took ~15 ms (bench/results/budget_sweep_h200.md), so a
+policy that prices only the forwards builds big trees that lose. The engine builds one heap
+per request at small batches and all of them in lockstep at large ones (`lockstep_pays`),
+whose time grows with the largest budget instead of with the nodes, so the policy prices a
+ceiling by the builder it will run:
 
     build_ms(B, nodes, c) = per_step_ms + per_request_ms * B
                             + per_node_ms * nodes                                 (heaps)
@@ -83,6 +84,10 @@ class BuildCost:
             [np.ones_like(batch), batch, nodes * heap, largest * lockstep, nodes * lockstep], 1
         )
         kept = [column for column in range(5) if features[:, column].any()]
+        if len(np.unique(batch[lockstep])) < 2 and 4 in kept:
+            # One lockstep batch size makes its nodes (B * c) a multiple of its pops (c): the
+            # split would be arbitrary, so the pops carry it (the larger part, measured).
+            kept.remove(4)
         while True:
             solution, *_ = np.linalg.lstsq(features[:, kept], ms, rcond=None)
             if np.all(solution >= 0) or len(kept) == 1:

@@ -7,7 +7,7 @@ slots. Each shape is run once to warm up, then `repeats` times; the fastest run 
 work on the machine only ever adds time), and each batch row is made non-decreasing in tokens
 (a least-squares monotone fit), so one slow outlier cannot make a larger tree look cheaper.
 `measure_build_cost` times the host build stage the same way (`BuildProbe`; the engine's probe
-builds from a real draft) and fits its linear `BuildCost`.
+builds from a real draft) and fits its `BuildCost` (linear per builder).
 """
 
 import time

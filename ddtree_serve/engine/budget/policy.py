@@ -4,10 +4,11 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
     plan(caps)                    before drafting: the step's tree ceiling, 0 = a plain decode
                                   step (root-only trees); the drafter's top-K and the build use it
     record_draft_ms(ms, catching_up)  after the drafter call, when there was one
-    choose(trees, caps)           trees built at the ceiling -> draft nodes per request
+    choose(trees, caps, captured) trees built at the ceiling (or the widest captured verify
+                                  graph, `graph_shapes.py`) -> draft nodes per request
     record_build_ms(ms)           after the build stage (trees, choice, verify buffers)
     record_verify_ms(ms)          after the verify call
-    observe(trees, accepted)      the verified trees and their accepted nodes: the step's
+    observe(trees, accepted, n)   the verified trees (padded to n nodes) and their accepted nodes: the step's
                                   `BudgetStep` record (what it teaches waits for `learn`)
     record_step_ms(ms)            the whole step's wall time: what its priced parts left out
                                   (`step_overhead.py`), and how far the gate's prediction for
@@ -99,6 +100,7 @@ class AdaptiveBudget:
         self._allocation: Allocation | None = None
         self._lesson: _Lesson | None = None  # the last observed step's, until `learn`
         self._catching_up = False  # the step's draft took more context than one step's
+        self._graph_capped = False  # captured verify graphs cut the step below its ceiling
         # Verified nodes (drafter probabilities, accepted or not) of drafted steps not yet taught
         # to the calibrator: it learns `CALIBRATION_STEPS` steps' at once (one update, one refit).
         self._calibration_batch: list[tuple[np.ndarray, np.ndarray]] = []
@@ -107,7 +109,7 @@ class AdaptiveBudget:
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
-        self._catching_up = False
+        self._catching_up = self._graph_capped = False
         if self.gate.curve is None or (self._lesson is not None and self._lesson.probe):
             # The first drafted step's trees give the gate its curve, and a probe's tell it
             # whether to draft again, before it decides (else the lesson waits for the draft).
@@ -147,10 +149,12 @@ class AdaptiveBudget:
 
         `captured`: the tree-token buckets a graphed target has graphs for at this step's batch
         and context (`graph_shapes.py`; None: any of `token_buckets`): the widest tree then
-        fills one of them, so the step captures nothing new.
+        fills one of them, so the step captures nothing new; a step they cut below the gate's
+        ceiling teaches that ceiling no step time (it ran a narrower verify).
         The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
         the choice runs every step, so its work is a few array operations whatever the batch."""
         self.learn()
+        self._graph_capped = captured is not None and captured[-1] - 1 < self._ceiling
         lengths = trees.num_nodes - 1
         width = int(lengths.max(initial=0))
         built = np.arange(width) < lengths[:, None]
@@ -180,8 +184,11 @@ class AdaptiveBudget:
             self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
         return self._allocation
 
-    def observe(self, trees: TreeBatch, accepted_nodes: Sequence[Sequence[int]]) -> BudgetStep:
+    def observe(
+        self, trees: TreeBatch, accepted_nodes: Sequence[Sequence[int]], padded_num_nodes: int | None = None
+    ) -> BudgetStep:
         """Ends a step: the verified trees and each one's accepted draft nodes (root excluded).
+        `padded_num_nodes`: the nodes per tree the verify ran (default: the widest tree's).
 
         The step's record is made now; what it teaches (only drafted steps teach the calibrator,
         every timed call refreshes the cost curve) waits for `learn`, which the engine calls
@@ -213,7 +220,7 @@ class AdaptiveBudget:
             )
         self._lesson = _Lesson(
             batch_size=batch_size,
-            target_tokens=batch_size * (max(verified) + 1),  # the padded verify batch
+            target_tokens=batch_size * (padded_num_nodes or max(verified) + 1),  # the verify's forward
             draft_ms=None if self._catching_up else self._draft_ms,
             verify_ms=self._verify_ms,
             nodes=nodes,
@@ -272,7 +279,8 @@ class AdaptiveBudget:
         """The observed step's wall time (after its prefills): teaches the step overhead."""
         if self.last_step is not None and self._priced_ms is not None:
             self.overhead.observe(self.last_step.drafted, step_ms - self._priced_ms)
-            if self.last_step.drafted == (self._ceiling > 0):  # not when the drafter was lost
+            # Not when the drafter was lost, nor when captured graphs cut the ceiling's trees.
+            if self.last_step.drafted == (self._ceiling > 0) and not self._graph_capped:
                 self.gate.record_step_ms(step_ms)
         self._priced_ms = None
 
