@@ -95,8 +95,14 @@ def build_verify_batch(trees: Sequence[DraftTree], n_max: int | None = None) -> 
         if n > 1:
             _link_children(tree, next_token[b], next_sibling[b])
 
+    return verify_batch_of_planes(planes, np.array(sizes, dtype=np.int64))
+
+
+def verify_batch_of_planes(planes: np.ndarray, num_nodes: np.ndarray) -> VerifyBatch:
+    """The `VerifyBatch` of filled planes: [6, B, N] int64 (tokens, depths, parents, retrieve
+    index, first child, next sibling) and each tree's real nodes [B]; adds the ancestor mask."""
+    depths, parents = planes[1], planes[2]
     max_depth = int(depths.max(initial=0))
-    attn_mask = ancestor_mask(parents, max_depth)
     planes_t = torch.from_numpy(planes)
     return VerifyBatch(
         tokens=planes_t[0],
@@ -105,8 +111,8 @@ def build_verify_batch(trees: Sequence[DraftTree], n_max: int | None = None) -> 
         retrieve_index=planes_t[3],
         retrieve_next_token=planes_t[4],
         retrieve_next_sibling=planes_t[5],
-        attn_mask=torch.from_numpy(attn_mask),
-        num_nodes=torch.from_numpy(np.array(sizes, dtype=np.int64)),
+        attn_mask=torch.from_numpy(ancestor_mask(parents, max_depth)),
+        num_nodes=torch.from_numpy(num_nodes),
         max_depth=max_depth,
     )
 

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from ddtree_serve.tree.buffers import VerifyBatch, ancestor_mask
+from ddtree_serve.tree.buffers import VerifyBatch, verify_batch_of_planes
 from ddtree_serve.tree.draft_tree import DraftTree
 
 
@@ -123,19 +122,7 @@ class TreeBatch:
         next_sibling.fill(-1)
         _link_siblings(parents, next_token, next_sibling)
 
-        max_depth = int(depths.max(initial=0))
-        planes_t = torch.from_numpy(planes)
-        return VerifyBatch(
-            tokens=planes_t[0],
-            depths=planes_t[1],
-            parents=planes_t[2],
-            retrieve_index=planes_t[3],
-            retrieve_next_token=planes_t[4],
-            retrieve_next_sibling=planes_t[5],
-            attn_mask=torch.from_numpy(ancestor_mask(parents, max_depth)),
-            num_nodes=torch.from_numpy(self.num_nodes.copy()),
-            max_depth=max_depth,
-        )
+        return verify_batch_of_planes(planes, self.num_nodes.copy())
 
 
 def _link_siblings(parents: np.ndarray, next_token: np.ndarray, next_sibling: np.ndarray) -> None:

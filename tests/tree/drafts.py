@@ -1,9 +1,21 @@
-"""Drafts for builder tests: hypothesis batches of top-K log-probs rich in exact ties."""
+"""Drafts for builder tests (hypothesis batches of top-K log-probs rich in exact ties) and the
+`VerifyBatch` fields two builds are compared on."""
 
 import torch
 from hypothesis import strategies as st
 
 from ddtree_serve.tree import draft_topk
+
+VERIFY_FIELDS = (
+    "tokens",
+    "depths",
+    "parents",
+    "retrieve_index",
+    "retrieve_next_token",
+    "retrieve_next_sibling",
+    "attn_mask",
+    "num_nodes",
+)
 
 # Dyadic probabilities: exact ties between paths of different lengths ((1/2)^2 = 1/4).
 DYADIC = [1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125]

@@ -20,18 +20,7 @@ from ddtree_serve.tree import (
     draft_topk,
 )
 from ddtree_serve.verify import verify_greedy
-from tests.tree.drafts import draft_batches
-
-LINK_FIELDS = (
-    "tokens",
-    "depths",
-    "parents",
-    "retrieve_index",
-    "retrieve_next_token",
-    "retrieve_next_sibling",
-    "attn_mask",
-    "num_nodes",
-)
+from tests.tree.drafts import VERIFY_FIELDS, draft_batches
 
 
 def host_build(
@@ -49,7 +38,7 @@ def host_build(
 
 
 def assert_same_trees(device: DeviceTreeBatch, host: VerifyBatch, host_logws: np.ndarray) -> None:
-    for field in LINK_FIELDS:
+    for field in VERIFY_FIELDS:
         assert torch.equal(getattr(device.verify, field).cpu(), getattr(host, field)), field
     # Same float64 left-fold sums as the host, so equal to the bit, not just to a tolerance.
     assert device.logws.cpu().tolist() == host_logws.tolist()
@@ -163,7 +152,7 @@ def test_k1_is_the_chain(draft: tuple[torch.Tensor, torch.Tensor, list[int], int
     )
     chains = [build_chain(ids[b, :, 0], root_token=b, logp_row0=logp[b, :, 0]) for b in range(batch_size)]
     chain_batch = build_verify_batch(chains)
-    for field in LINK_FIELDS:
+    for field in VERIFY_FIELDS:
         assert torch.equal(getattr(built.verify, field), getattr(chain_batch, field)), field
     assert built.logws.tolist() == [chain.logws.tolist() for chain in chains]
     assert built.verify.max_depth == num_positions
@@ -206,7 +195,7 @@ def test_cuda_graph_replay_equals_eager(
             static.copy_(fresh)
         graph.replay()
         eager = build_ddtree_batch(*inputs, budget_max)
-        for field in LINK_FIELDS:
+        for field in VERIFY_FIELDS:
             assert torch.equal(getattr(static_output.verify, field), getattr(eager.verify, field)), field
         assert torch.equal(static_output.logws, eager.logws)
         logp, ids, budgets, roots = (t.cpu() for t in inputs)

@@ -14,22 +14,11 @@ from ddtree_serve.tree import (
     build_verify_batch,
     draft_topk,
 )
-from tests.tree.drafts import draft_batches
-
-BATCH_FIELDS = (
-    "tokens",
-    "depths",
-    "parents",
-    "retrieve_index",
-    "retrieve_next_token",
-    "retrieve_next_sibling",
-    "attn_mask",
-    "num_nodes",
-)
+from tests.tree.drafts import VERIFY_FIELDS, draft_batches
 
 
 def assert_same_batch(built: VerifyBatch, reference: VerifyBatch) -> None:
-    for field in BATCH_FIELDS:
+    for field in VERIFY_FIELDS:
         assert torch.equal(getattr(built, field), getattr(reference, field)), field
     assert built.max_depth == reference.max_depth
 
