@@ -47,6 +47,4 @@ class VerifyGraphShapes:
     def padded_nodes(num_nodes: int, buckets: Sequence[int] | None) -> int | None:
         """The captured bucket a tree of `num_nodes` nodes is padded to (None: the target's
         own padding), so the verify runs a graph that exists."""
-        if buckets is None:
-            return None
-        return next((bucket for bucket in buckets if bucket >= num_nodes), None)
+        return None if buckets is None else pick_bucket(num_nodes, buckets)

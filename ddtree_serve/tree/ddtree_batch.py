@@ -106,7 +106,6 @@ def build_ddtrees(
         np.int64
     )
     tokens[:, 0] = np.asarray(root_tokens, dtype=np.int64)
-    batch = TreeBatch(tokens, depths, parents, logws, num_nodes)
     for row in np.flatnonzero(unsure & (budget > 0)).tolist():
         cut = int(budget[row])
         tree = build_ddtree(logp[row, :, :cut], ids[row, :, :cut], cut, int(root_tokens[row]))
@@ -114,4 +113,4 @@ def build_ddtrees(
         tokens[row, :n], depths[row, :n], parents[row, :n] = tree.token_ids, tree.depths, tree.parents
         logws[row, :n] = tree.logws
         num_nodes[row] = n
-    return batch
+    return TreeBatch(tokens, depths, parents, logws, num_nodes)

@@ -62,18 +62,17 @@ class TreeBatch:
         if extra == 0:
             return self
 
-        def grown(plane: np.ndarray, root_value: int | float, pad: int | float) -> np.ndarray:
-            rows = np.full((extra, plane.shape[1]), pad, dtype=plane.dtype)
-            rows[:, 0] = root_value
-            return np.concatenate([plane, rows])
+        def grown(plane: np.ndarray, root_value: int | float) -> np.ndarray:
+            """`plane` and `extra` rows holding the root's value (past it: unspecified)."""
+            return np.concatenate([plane, np.full((extra, plane.shape[1]), root_value, dtype=plane.dtype)])
 
-        tokens = grown(self.tokens, 0, 0)
+        tokens = grown(self.tokens, 0)
         tokens[self.batch_size :, 0] = root_tokens
         return TreeBatch(
             tokens,
-            grown(self.depths, 0, 0),
-            grown(self.parents, -1, -1),
-            grown(self.logws, 0.0, 0.0),
+            grown(self.depths, 0),
+            grown(self.parents, -1),
+            grown(self.logws, 0.0),
             np.concatenate([self.num_nodes, np.ones(extra, dtype=np.int64)]),
         )
 

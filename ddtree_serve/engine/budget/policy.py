@@ -166,11 +166,11 @@ class AdaptiveBudget:
         draft_ms = self.cost.draft_ms(trees.batch_size) if self._draft_ms is None else self._draft_ms
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         if self.layout == "padded":
-            widest = min(caps) if captured is None else min(min(caps), captured[-1] - 1)
-            uncut = widest >= lengths.max(initial=0)
-            usable = lengths if uncut else np.minimum(lengths, np.maximum(np.asarray(caps), 0))
-            if captured is not None:
-                usable = np.minimum(usable, captured[-1] - 1)
+            caps_np = np.maximum(np.asarray(caps), 0)
+            if captured is not None:  # the widest tree a captured graph holds
+                caps_np = np.minimum(caps_np, captured[-1] - 1)
+            uncut = caps_np.min() >= lengths.max(initial=0)
+            usable = lengths if uncut else np.minimum(lengths, caps_np)
             self._allocation = allocate_padded_rows(
                 calibrated,
                 usable,
