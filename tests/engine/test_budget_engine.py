@@ -41,7 +41,7 @@ def steer_by_the_file(engine: SpecEngine) -> None:
     ratio learned (this machine's host work, under the suite's load, is not what the test is about)."""
     engine.budget_policy.build = FILE_ONLY
     engine.budget_policy.overhead = StepOverhead(ema_weight=0.0)
-    engine.budget_policy.gate.residual = StepResidual(ema_weight=0.0)
+    engine.budget_policy.gate.residual = StepResidual(frozen=True)
 
 
 @pytest.fixture(scope="module")

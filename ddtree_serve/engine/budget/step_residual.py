@@ -9,21 +9,26 @@ ceiling), an EMA of measured over predicted step time, and divides each candidat
 rate by it: a ceiling is judged by what its steps cost here, the models only rank the ones not
 yet taken (at the nearest taken ceiling's ratio, so model and measurement are compared alike).
 
-Step times are noisy (a descheduled process, a shared 2-core CI machine), and one bad step must
-not turn the engine away from a ceiling it then never measures again: a ratio is shrunk toward
-1 (the models' own word) by its sample count, `n / (n + SHRINK_SAMPLES)`, and one sample moves
-the EMA by at most a factor `MAX_STEP_MOVE` of where it stands. What a ratio says also fades
+Step times are noisy (a descheduled process, a shared 2-core CI machine), and bad steps must
+not turn the engine away from a ceiling it then never measures again: a ratio is the median of
+its last `WINDOW` samples (on the CI CPU two plain steps at four times their prediction in a
+row, an EMA's 1.8x, held the gate on drafting steps three times slower for the rest of a run:
+the plain ratio is only measured while the gate decodes plainly), shrunk toward 1 (the models'
+own word) by its sample count, `n / (n + SHRINK_SAMPLES)`. What a ratio says also fades
 toward 1 with the steps since its last sample (half-life `STALE_HALF_LIFE_STEPS`): a ceiling the
 engine has turned away from is tried again some time later, when load or host may have changed.
 """
 
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 MAX_RATIO = 4.0
 """A step counts as at most this many times its prediction (or its inverse)."""
 
-MAX_STEP_MOVE = 2.0
-"""A sample counts as at most this many times the ratio's EMA (or its inverse)."""
+WINDOW = 7
+"""Recent samples a ratio is the median of: up to three outliers in a row leave it alone."""
 
 SHRINK_SAMPLES = 2.0
 """Pseudo-samples at ratio 1 behind every ratio: one step is a third of what it says."""
@@ -39,29 +44,32 @@ def batch_bucket(batch_size: int) -> int:
 
 @dataclass
 class _Ratio:
-    ema: float
+    recent: deque[float]  # the last `WINDOW` samples
     samples: int
     last_step: int  # the residual's step count at its last sample
+    median: float = 1.0
 
     def value(self, step: int) -> float:
         trust = self.samples / (self.samples + SHRINK_SAMPLES)
         trust *= 0.5 ** ((step - self.last_step) / STALE_HALF_LIFE_STEPS)
-        return 1.0 + trust * (self.ema - 1.0)
+        return 1.0 + trust * (self.median - 1.0)
+
+    def add(self, sample: float, step: int) -> None:
+        self.recent.append(sample)
+        self.samples += 1
+        self.last_step = step
+        self.median = float(np.median(self.recent))
 
 
 @dataclass
 class StepResidual:
     """Measured / predicted step time per (batch bucket, ceiling); 1.0 where nothing is known.
 
-    `ema_weight` 0 freezes it (the models alone decide)."""
+    `frozen` keeps it at 1.0 (the models alone decide)."""
 
-    ema_weight: float = 0.3
+    frozen: bool = False
     _ratios: dict[tuple[int, int], _Ratio] = field(default_factory=dict)
     _steps: int = 0  # steps observed, any ceiling: the clock ratios go stale by
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.ema_weight <= 1.0:
-            raise ValueError("ema_weight must be in [0, 1] (0: the models alone decide)")
 
     def ratio(self, batch_size: int, ceiling: int) -> float:
         """The ratio of this ceiling at this batch; a drafting ceiling not yet taken reads the
@@ -78,16 +86,10 @@ class StepResidual:
 
     def observe(self, batch_size: int, ceiling: int, predicted_ms: float, measured_ms: float) -> None:
         """One step at `ceiling` (0: plain) over `batch_size` requests, predicted and measured."""
-        if predicted_ms <= 0.0 or measured_ms <= 0.0 or self.ema_weight == 0.0:
+        if predicted_ms <= 0.0 or measured_ms <= 0.0 or self.frozen:
             return  # nothing to learn from, or frozen
         self._steps += 1
         sample = min(max(measured_ms / predicted_ms, 1.0 / MAX_RATIO), MAX_RATIO)
         key = (batch_bucket(batch_size), ceiling)
-        known = self._ratios.get(key)
-        if known is None:
-            self._ratios[key] = _Ratio(sample, 1, self._steps)
-            return
-        sample = min(max(sample, known.ema / MAX_STEP_MOVE), known.ema * MAX_STEP_MOVE)
-        known.ema += self.ema_weight * (sample - known.ema)
-        known.samples += 1
-        known.last_step = self._steps
+        ratio = self._ratios.setdefault(key, _Ratio(deque(maxlen=WINDOW), 0, self._steps))
+        ratio.add(sample, self._steps)
