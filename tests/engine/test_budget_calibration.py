@@ -52,3 +52,16 @@ def test_decay_follows_a_drifting_drafter():
 def test_observe_checks_its_shapes():
     with pytest.raises(ValueError, match="outcomes"):
         AcceptanceCalibrator().observe(np.ones(3), np.ones(2, dtype=bool))
+
+
+def test_a_drafter_off_by_a_factor_everywhere_is_corrected_where_it_has_no_data_yet():
+    """The drafter forecasts half what it accepts. After a few steps whose nodes all fall near
+    p = 0.1, a bin it has not filled yet (p = 0.02) reads about twice the drafter's forecast:
+    the bins' prior follows the drafter's measured honesty, not only its word."""
+    rng = np.random.default_rng(3)
+    calibrator = AcceptanceCalibrator(decay=1.0)
+    for _ in range(4):
+        probs = rng.uniform(0.09, 0.11, size=64)
+        calibrator.observe(probs, rng.uniform(size=64) < 2.0 * probs)
+    assert calibrator.calibrate(np.array([0.02]))[0] == pytest.approx(0.04, rel=0.3)
+    assert calibrator.calibrate(np.array([0.1]))[0] == pytest.approx(0.2, rel=0.3)

@@ -9,8 +9,13 @@ bin, how many verified nodes fell in the bin and how many of them were on the ac
 
 Bins are equal steps in logit(p) over [-8, 8], fine near 0 and near 1 where a confident
 drafter's nodes crowd (0.99 and 0.9 are different forecasts). Each bin starts with
-`prior_weight` pseudo-nodes that accept at the bin's own centre probability, so before any data
-the calibrated value is the drafter's, and an empty bin never reads as "never accepted".
+`prior_weight` pseudo-nodes that accept at the bin's centre probability scaled, in odds, by the
+ratio of all accepted nodes to the drafter's forecast for them: before any data the calibrated
+value is the drafter's, an empty bin never reads as "never accepted", and a drafter that is off
+by a factor everywhere is corrected in a step or two instead of bin by bin (the bundled
+drafter's raw forecast is about half what it accepts: bins left at its own word kept the
+forecast at 0.7-0.8x of the truth for its first twenty steps, the window in which a gate decides
+whether drafting pays).
 Statistics decay by `decay` per observed step so the map follows a drifting workload. The bin
 rates are made non-decreasing in probability (pool-adjacent-violators), and a node's calibrated
 value interpolates them linearly: a monotone map keeps each tree's best-first order, so any
@@ -21,13 +26,16 @@ import numpy as np
 
 from ddtree_serve.engine.budget.isotonic import isotonic_increasing
 
+GLOBAL_PRIOR_NODES = 1.0
+"""Pseudo-nodes behind the accepted-to-forecast ratio that scales the bins' prior (1 before data)."""
+
 _LOGIT_LIMIT = 8.0  # bins span logit(p) in [-8, 8]: p from 3e-4 to 1 - 3e-4
 
 
 class AcceptanceCalibrator:
     """Maps drafter node probabilities to the observed probability that verification accepts them."""
 
-    def __init__(self, num_bins: int = 24, prior_weight: float = 4.0, decay: float = 0.995) -> None:
+    def __init__(self, num_bins: int = 24, prior_weight: float = 2.0, decay: float = 0.995) -> None:
         if num_bins < 1 or prior_weight <= 0.0 or not 0.0 < decay <= 1.0:
             raise ValueError("need num_bins >= 1, prior_weight > 0 and decay in (0, 1]")
         self.num_bins = num_bins
@@ -82,13 +90,20 @@ class AcceptanceCalibrator:
         if self._table is None:
             num_nodes, num_accepted, prob_sum = self._stats
             weights = num_nodes + self.prior_weight
-            prior_mass = self.prior_weight * self._centres
-            mean_probs = (prob_sum + prior_mass) / weights
-            rates = (num_accepted + prior_mass) / weights
+            mean_probs = (prob_sum + self.prior_weight * self._centres) / weights
+            rates = (num_accepted + self.prior_weight * self._prior_rates()) / weights
             monotone = np.clip(isotonic_increasing(rates, weights), 0.0, 1.0)  # bins ascend in p already
             # Anchored at (0, 0): a node the drafter gives no chance is never counted on.
             self._table = (np.concatenate(([0.0], mean_probs)), np.concatenate(([0.0], monotone)))
         return self._table
+
+
+    def _prior_rates(self) -> np.ndarray:
+        """Each bin's prior acceptance: its centre probability, its odds scaled by the drafter's
+        accepted nodes over its forecast for them so far."""
+        scale = (self._stats[1].sum() + GLOBAL_PRIOR_NODES) / (self._stats[2].sum() + GLOBAL_PRIOR_NODES)
+        odds = self._centres / (1.0 - self._centres) * scale
+        return odds / (1.0 + odds)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
