@@ -277,9 +277,10 @@ def run_simulation(args: argparse.Namespace, traces: list[TraceStep]) -> list[di
 
 def _simulation_cost(args: argparse.Namespace) -> CostCurve:
     cost = load_cost_curve(args.simulate_cost)
-    if args.draft_ms is not None:
-        cost.draft_grid_ms[:] = args.draft_ms
-    return cost
+    if args.draft_ms is None:
+        return cost
+    draft_ms = np.full(len(cost.batch_sizes), args.draft_ms)
+    return CostCurve(cost.batch_sizes, cost.token_counts, cost.grid_ms, draft_ms=draft_ms)
 
 
 def _simulation_build_cost(args: argparse.Namespace) -> BuildCost:

@@ -13,6 +13,7 @@ from ddtree_serve.engine.budget import (
     measure_cost_curve,
     powers_of_two_upto,
 )
+from ddtree_serve.engine.budget.cost_curve import MAX_DRIFT_MOVE
 
 
 def grid_curve() -> CostCurve:
@@ -32,22 +33,41 @@ def test_interpolates_between_and_extrapolates_past_the_grid():
 
 def test_live_timings_pull_the_curve_toward_what_was_measured():
     curve = grid_curve()
-    for _ in range(100):
+    for _ in range(200):
         curve.observe_verify(1, 16, 8.0)
-        curve.observe_draft(4, 0.5)
-    assert float(curve.verify_ms(1, 16)) == pytest.approx(8.0, rel=0.01)
-    assert float(curve.verify_ms(4, 64)) == pytest.approx(12.0)  # a far grid point is untouched
-    assert curve.draft_ms(4) == pytest.approx(0.5, rel=0.01)
+        curve.observe_draft(4, 1.0)
+    assert float(curve.verify_ms(1, 16)) == pytest.approx(8.0, rel=0.02)
+    assert curve.draft_ms(4) == pytest.approx(1.0, rel=0.02)
+
+
+def test_a_machine_slower_than_at_start_up_prices_the_cells_it_did_not_time_alike():
+    """Only plain verifies are timed (the policy decodes plainly) and they take 1.5x their
+    start-up price: wide verifies and the drafter, never timed since, cost 1.5x too, so the
+    steps the policy turned away from do not look cheaper than they are."""
+    curve = grid_curve()
+    for _ in range(100):
+        curve.observe_verify(4, 4, 4.5)
+    assert float(curve.verify_ms(4, 4)) == pytest.approx(4.5, rel=0.01)
+    np.testing.assert_allclose(curve.verify_ms(4, np.array([16, 64])), [9.0, 18.0], rtol=0.02)
+    assert float(curve.verify_ms(1, 64)) == pytest.approx(15.0, rel=0.02)
+    assert curve.draft_ms(4) == pytest.approx(3.0, rel=0.02)
+    frozen = grid_curve()
+    frozen.ema_weight = 0.0
+    frozen.observe_verify(4, 4, 4.5)
+    assert frozen.draft_ms(4) == 2.0 and float(frozen.verify_ms(4, 4)) == 3.0
 
 
 def test_one_outlier_timing_moves_the_curve_a_bounded_step():
-    """A CUDA graph captured mid-run makes one verify and one draft 100x slow: the curve moves
-    as if they had been four times their prediction, not a hundred times."""
+    """A CUDA graph captured mid-run makes one verify and one draft 100x slow: each moves its
+    own cell as if it had been four times its prediction, and the verify every cell by a few
+    percent (the machine's drift), not a hundred times."""
     curve = grid_curve()
     curve.observe_verify(1, 16, 400.0)
     curve.observe_draft(4, 200.0)
-    assert float(curve.verify_ms(1, 16)) == pytest.approx(4.0 * (1 + 3 * curve.ema_weight))
-    assert curve.draft_ms(4) == pytest.approx(2.0 * (1 + 3 * curve.ema_weight))
+    drift_move = 1 + (MAX_DRIFT_MOVE - 1) * curve.ema_weight
+    assert float(curve.verify_ms(1, 16)) == pytest.approx(4.0 * (1 + 3 * curve.ema_weight) * drift_move)
+    assert curve.draft_ms(4) == pytest.approx(2.0 * (1 + 3 * curve.ema_weight) * drift_move)
+    assert float(curve.verify_ms(4, 64)) == pytest.approx(12.0 * drift_move)
 
 
 def test_loader_reads_the_grid_form_and_round_trips(tmp_path):

@@ -7,6 +7,16 @@ at the edge rows past the batch axis; along tokens held below the first point an
 linearly, never downward, past the last), then refreshed from live step timings: a
 measured step moves its neighbouring grid points toward `measured / predicted` by an EMA weight.
 
+The machine's speed also drifts as a whole from what the grid was measured at (on the CI CPU,
+mid-run steps took 1.3-1.45x their start-up calibration, plain and drafted alike), and a policy
+mostly takes one kind of step: cells it takes would learn the drift, the cells it turns away
+from would keep the start-up price and look cheap, the probes that then follow cost real time.
+So every prediction is `drift x grid`: `drift` is an EMA, over every timed verify, of measured
+over the start-up (or file) grid's prediction, and the grid points learn each cell's own
+remainder (measured over `drift x grid`). Cells never timed follow the machine; the drafter's
+cost too (every step verifies, not every step drafts: its grid learns only its own way from
+the target's drift, so the two never pull one number back and forth).
+
 File format (JSON; `load_cost_curve`), tolerant of what other benchmarks write:
 
     {"batch": [1, 8], "tokens": [8, 64, 512], "ms": [[...3 values...], [...]]}   # ms[batch][tokens]
@@ -37,6 +47,9 @@ _MS_KEYS = ("ms", "step_ms", "time_ms", "latency_ms", "ms_per_layer")
 MAX_STEP_RATIO = 4.0
 """The most one live timing may count as, against its prediction, when the curve learns it."""
 
+MAX_DRIFT_MOVE = 1.5
+"""The most one live timing may count as, against the drift, when the drift learns it."""
+
 
 class CostCurve:
     """Predicted verify and draft milliseconds; refreshed in place by live timings."""
@@ -62,38 +75,46 @@ class CostCurve:
                 raise ValueError("cost grid axes must be non-empty and strictly ascending")
         if np.any(self.grid_ms <= 0) or np.any(self.draft_grid_ms < 0):
             raise ValueError("verify times must be > 0 ms and draft times >= 0 ms")
-        self.ema_weight = ema_weight
+        self.ema_weight = ema_weight  # 0 freezes the curve (grid points and drift)
         # The axes as tuples of floats, for the scalar lookups the policy makes every step.
         self._batch_axis = tuple(self.batch_sizes.tolist())
         self._token_axis = tuple(self.token_counts.tolist())
+        # The verify grid as measured (or loaded), which `drift` is measured against.
+        self._start_grid_ms = self.grid_ms.copy()
+        self.drift = 1.0  # live timings over the start grid's prediction (EMA)
 
     def verify_ms(self, batch_size: int, target_tokens: np.ndarray | float) -> np.ndarray:
         """Predicted verify milliseconds of `batch_size` requests over `target_tokens` tokens.
 
         The policy asks this several times a step, so it interpolates one blended row (exact:
         the blend is linear, and each row's extrapolation slope is clamped before blending)."""
+        if isinstance(target_tokens, int | float | np.integer | np.floating):
+            return np.float64(self.drift * self._grid_at(self.grid_ms, batch_size, float(target_tokens)))
         (b0, b1), (wb0, wb1) = _bracket(self._batch_axis, batch_size)
         grid = self.grid_ms
-        if isinstance(target_tokens, int | float | np.integer | np.floating):
-            value = wb0 * self._row_ms(b0, float(target_tokens))
-            if wb1 != 0.0:
-                value += wb1 * self._row_ms(b1, float(target_tokens))
-            return np.float64(value)
         row = grid[b0] if wb1 == 0.0 else wb0 * grid[b0] + wb1 * grid[b1]
         tokens = np.asarray(target_tokens, dtype=np.float64)
         inner = np.interp(tokens, self.token_counts, row)
         last = self._token_axis[-1]
         if len(self._token_axis) == 1 or not np.any(tokens > last):
-            return inner
+            return self.drift * inner
         slope = wb0 * _last_slope(self.token_counts, grid[b0])
         if wb1 != 0.0:
             slope += wb1 * _last_slope(self.token_counts, grid[b1])
-        return np.where(tokens > last, row[-1] + slope * (tokens - last), inner)
+        return self.drift * np.where(tokens > last, row[-1] + slope * (tokens - last), inner)
 
-    def _row_ms(self, row: int, tokens: float) -> float:
-        """Batch row `row` of the grid at `tokens`, as `verify_ms` reads it (held below the
-        first point, extrapolated past the last)."""
-        axis, ms = self._token_axis, self.grid_ms[row]
+    def _grid_at(self, grid: np.ndarray, batch_size: float, tokens: float) -> float:
+        """`grid` (the live one or the start one) at one point, as `verify_ms` reads it."""
+        (b0, b1), (wb0, wb1) = _bracket(self._batch_axis, batch_size)
+        value = wb0 * self._row_ms(grid[b0], tokens)
+        if wb1 != 0.0:
+            value += wb1 * self._row_ms(grid[b1], tokens)
+        return value
+
+    def _row_ms(self, ms: np.ndarray, tokens: float) -> float:
+        """One batch row of a grid at `tokens`, as `verify_ms` reads it (held below the first
+        point, extrapolated past the last)."""
+        axis = self._token_axis
         if tokens > axis[-1] and len(axis) > 1:
             return float(ms[-1]) + _last_slope(self.token_counts, ms) * (tokens - axis[-1])
         (lo, hi), (w_lo, w_hi) = _bracket(axis, tokens)
@@ -102,7 +123,10 @@ class CostCurve:
     def draft_ms(self, batch_size: int) -> float:
         """Predicted milliseconds of one drafter call for `batch_size` requests (interpolated
         along the batch axis, held below its first point, extrapolated past its last)."""
-        axis, ms = self._batch_axis, self.draft_grid_ms
+        return self.drift * self._draft_at(self.draft_grid_ms, batch_size)
+
+    def _draft_at(self, ms: np.ndarray, batch_size: float) -> float:
+        axis = self._batch_axis
         if batch_size <= axis[0] or len(axis) == 1:
             return float(ms[0])
         if batch_size >= axis[-1]:
@@ -115,6 +139,7 @@ class CostCurve:
         ratio counts as at most `MAX_STEP_RATIO` (or its inverse), so one timing moves a point
         by at most `1 + ema_weight * (MAX_STEP_RATIO - 1)` (a CUDA graph captured mid-run, a
         process descheduled: an outlier must not price a width out for the rest of the run)."""
+        self._observe_drift(measured_ms / self._grid_at(self._start_grid_ms, batch_size, target_tokens))
         ratio = measured_ms / float(self.verify_ms(batch_size, target_tokens))
         ratio = min(max(ratio, 1.0 / MAX_STEP_RATIO), MAX_STEP_RATIO)
         (b0, b1), (wb0, wb1) = _bracket(self._batch_axis, batch_size)
@@ -129,16 +154,23 @@ class CostCurve:
         if predicted > 0:
             measured_ms = min(max(measured_ms, predicted / MAX_STEP_RATIO), predicted * MAX_STEP_RATIO)
         (b0, b1), (wb0, wb1) = _bracket(self._batch_axis, batch_size)
+        local_ms = measured_ms / self.drift  # the drafter's own way from the target's drift
         for b, wb in ((b0, wb0), (b1, wb1)):
-            self.draft_grid_ms[b] += self.ema_weight * wb * (measured_ms - self.draft_grid_ms[b])
+            self.draft_grid_ms[b] += self.ema_weight * wb * (local_ms - self.draft_grid_ms[b])
+
+    def _observe_drift(self, ratio: float) -> None:
+        """One timing over the start grid's prediction: it counts as at most `MAX_DRIFT_MOVE`
+        times the drift (or its inverse), so an outlier moves every cell by a few percent."""
+        ratio = min(max(ratio, self.drift / MAX_DRIFT_MOVE), self.drift * MAX_DRIFT_MOVE)
+        self.drift += self.ema_weight * (ratio - self.drift)
 
     def to_json(self) -> dict[str, Any]:
         """The grid form `load_cost_curve` reads back."""
         return {
             "batch": self.batch_sizes.tolist(),
             "tokens": self.token_counts.tolist(),
-            "ms": self.grid_ms.tolist(),
-            "draft_ms": self.draft_grid_ms.tolist(),
+            "ms": (self.drift * self.grid_ms).tolist(),
+            "draft_ms": (self.drift * self.draft_grid_ms).tolist(),
         }
 
 
