@@ -267,7 +267,7 @@ class SpecEngine:
             return None
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
         if self.budget_policy is not None:
-            ceiling = self.budget_policy.plan([self._budget(r) for r in requests])
+            ceiling = self.budget_policy.plan([self._adaptive_cap(r) for r in requests])
             if ceiling == 0:
                 return None
             top_k = min(top_k, ceiling)
@@ -464,7 +464,7 @@ class SpecEngine:
             captured = self.graph_shapes.captured_buckets(len(requests), max_start)
             if captured is not None:  # no tree wider than a captured graph is built
                 ceiling = min(ceiling, captured[-1] - 1)
-        caps = [min(self._budget(r), ceiling) if i < drafted else 0 for i, r in enumerate(requests)]
+        caps = [min(self._adaptive_cap(r), ceiling) if i < drafted else 0 for i, r in enumerate(requests)]
         roots = [_bonus(r) for r in requests]
         built = build_host_tree_batch(draft.logp, draft.ids, caps[:drafted], roots[:drafted])
         built = built.with_root_only(roots[drafted:])
@@ -562,6 +562,14 @@ class SpecEngine:
     def _budget(self, request: Request) -> int:
         """The request's DDTree budget; the engine's budget is also the ceiling (cache room)."""
         return min(request.params.draft_budget or self.settings.budget, self.settings.budget)
+
+    def _adaptive_cap(self, request: Request) -> int:
+        """Draft nodes the adaptive policy may give `request`: its budget, and no more than the
+        draft tokens it can still keep (a step commits its accepted tokens and one more, up to
+        max_tokens): at the end of a run the last steps would otherwise pay for nodes whose
+        acceptance is cut off, and a request one token from its end needs no draft at all."""
+        tokens_left = self._max_output_tokens(request) - len(request.output_token_ids)
+        return max(0, min(self._budget(request), tokens_left - 1))
 
     def _top_k(self, request: Request) -> int:
         return min(self._budget(request), self.vocab_size)

@@ -215,3 +215,29 @@ def test_adaptive_sampling_follows_the_target_distribution(cost_files, cost, min
     assert sum(s.accepted for s in steps) > min_accepted  # trees were accepted, not just roots
     statistic, dof = chi_square(counts, exact)
     assert chi_square_pvalue(statistic, dof) > 1e-3
+
+
+def test_no_request_is_given_draft_nodes_it_cannot_keep(
+    make_oracle_engine, greedy_references, prompt_ids, cost_files
+):
+    """Free nodes put every tree at its ceiling of 8, but a request with n tokens left keeps at
+    most n - 1 draft tokens (its step also commits one of the target's): its trees stop there,
+    the step before its last drafts nothing, and the output is still the target's."""
+    engine, _ = make_oracle_engine(
+        "ddtree", budget=8, max_num_seqs=1, budget_policy="adaptive", cost_curve=cost_files["free_nodes"]
+    )
+    steer_by_the_file(engine)
+    prompt, max_tokens = prompt_ids[0], 12
+    engine.add_request("0", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    generated, seen_left = 0, []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        step = engine.budget_policy.last_step
+        if step is not None and generated > 0:  # the first step is the prefill's
+            tokens_left = max_tokens - generated
+            seen_left.append(tokens_left)
+            assert step.num_nodes[0] <= tokens_left - 1
+        generated += sum(o.num_new_tokens for o in outputs)
+        tokens = [*prompt, *outputs[0].token_ids] if outputs and outputs[0].finished else None
+    assert tokens == greedy_references[tuple(prompt)][: len(prompt) + max_tokens]
+    assert min(seen_left) < 8  # the cap bit below the ceiling at least once
