@@ -159,7 +159,9 @@ def test_the_step_after_a_probe_decides_with_what_the_probe_saw():
     tree = TreeBatch.from_trees(
         [build_chain(np.arange(1, 9, dtype=np.int64), 7, np.full(8, -0.01))]
     )  # confident
-    policy = AdaptiveBudget(flat_cost(verify_ms=4.0, draft_ms=40.0), gate=DraftGate(probe_interval=2))
+    policy = AdaptiveBudget(
+        flat_cost(verify_ms=4.0, draft_ms=40.0), gate=DraftGate(probe_interval=2), learning_steps=0
+    )
     policy.gate.record_curve(CONFIDENT[None, :] * 0.05, np.array([len(CONFIDENT)]))  # unsure so far
     for _ in range(10):
         ceiling = policy.plan([8])
@@ -176,3 +178,21 @@ def test_the_step_after_a_probe_decides_with_what_the_probe_saw():
     before = policy.gate.curve.copy()
     policy.plan([8])
     assert policy.gate.curve[0] > before[0]
+
+
+def test_caps_shrinking_within_their_power_of_two_keep_the_streak(monkeypatch):
+    """Near max_tokens the engine caps each request one node lower every step: the streak holds
+    (the gate does not decide in full every step), and never returns more than the cap."""
+    gate = DraftGate(probe_interval=64)
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    cost = flat_cost(verify_ms=4.0, draft_ms=1.0)
+    first = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
+    assert first == 16
+    gate.drafted_probe_interval = gate.probe_interval  # no probe in this short run
+    decisions = []
+    original = gate._drafted_ceilings
+    monkeypatch.setattr(gate, "_drafted_ceilings", lambda *a: decisions.append(1) or original(*a))
+    for cap in (15, 14, 13, 12, 11, 10, 9):
+        assert gate.ceiling([cap, cap], cost, FREE_BUILD, "padded") == cap
+        gate.record_step_ms(5.0)
+    assert len(decisions) <= 1  # at most the recheck after DRAFTED_RECHECK_STEPS

@@ -2,25 +2,32 @@
 
 The ceiling is paid before the allocator sees a tree: the drafter's top-K and the host build
 both scale with it (`build_cost.py`). The gate predicts each candidate ceiling's rate from the
-recent acceptance curve (an EMA, per best-first position, of the calibrated acceptance
-probabilities of the drafted trees learned so far, averaged over their requests; a step's trees
-are learned while the next step drafts, a probe's before the next decision) as if every running
-request had that curve, with the drafter's call, that ceiling's build and the verify forward as
-the step's cost; ceiling 0 is a plain decode step (no drafter call, root-only trees). The best
-one wins. The first step, with no curve yet, takes the widest ceiling that costs at most a few
-plain steps. Each candidate's predicted rate is divided by the measured-over-predicted step time
-of its ceiling (`step_residual.py`), so what the models leave out is judged by what steps took.
-After a few steps at one choice (2 at a new batch bucket, doubling to `probe_interval` after
-each probe), one step builds alternately wider (twice the choice: the curve past the chosen
-width stays current and the engine can widen again when acceptance or load changes) and narrower
-(the next candidate below: its measured ratio stays current); after plain steps the probe drafts
-at the best drafting ceiling (a probe at the cap could cost more than the plain steps before it
-saved), and while probes keep finding drafting a clear loss they come at doubling intervals:
-each one also pays the drafter's catch-up on all the context it skipped (on a CPU at batch 64,
-ten plain steps').
+recent acceptance curve as if every running request had that curve, with the drafter's call,
+that ceiling's build and the verify forward as the step's cost; ceiling 0 is a plain decode step
+(no drafter call, root-only trees). The best one wins. The first step, with no curve yet, takes
+the widest ceiling that costs at most a few plain steps. Each candidate's predicted rate is
+divided by the measured-over-predicted step time of its ceiling (`step_residual.py`), so what
+the models leave out is judged by what steps took. After a few steps at one choice (2 at a new
+batch bucket, doubling to `probe_interval` after each probe), one step builds alternately wider
+(twice the choice: the curve past the chosen width stays current and the engine can widen again
+when acceptance or load changes) and narrower (the next candidate below: its measured ratio
+stays current); after plain steps the probe drafts at the best drafting ceiling (a probe at the
+cap could cost more than the plain steps before it saved), and while probes keep finding
+drafting a clear loss they come at doubling intervals: each one also pays the drafter's catch-up
+on all the context it skipped (on a CPU at batch 64, ten plain steps').
+
+The curve is an EMA, per best-first position, of the drafted trees' drafter probabilities
+averaged over their requests (a step's trees are learned while the next step drafts, a probe's
+before the next decision), calibrated when the gate decides, with the calibrator as it is then.
+An EMA of calibrated values kept the calibration each step had when it was learned: the bundled
+drafter's first trees, priced at half what it accepts, held the gate on plain steps at batch 1
+through whole runs where drafting wins by a fifth, since only the rare probes refreshed the
+curve. A mean's calibration is not the calibrations' mean (the map is concave: 10-15% high over
+recorded traces), so the gate also keeps, per position, an EMA of the ratio of the two as each
+step measured it (`spread`), and multiplies it in.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -29,6 +36,9 @@ from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.measure import powers_of_two_upto
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import StepResidual, batch_bucket
+
+Calibration = Callable[[np.ndarray], np.ndarray]
+"""Drafter probabilities to acceptance probabilities, elementwise (the policy's calibrator)."""
 
 FIRST_STEP_PLAIN_STEPS = 4.0
 """What the first drafted step may cost, in plain decode steps, before anything is known."""
@@ -56,7 +66,10 @@ class DraftGate:
             raise ValueError("need probe_interval >= 1 and curve_weight in (0, 1]")
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
-        self.curve: np.ndarray | None = None  # [positions] recent calibrated acceptance
+        self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
+        # [positions] recent mean of calibrated over calibrated mean (1 where `record_curve` is
+        # given no calibration: its probabilities are acceptance already)
+        self.spread = np.ones(0)
         self.steps_since_probe = 0  # steps since the last probe (each took the best choice)
         # Plain steps before the next probe: doubled after each probe that found drafting still
         # a loss (a probe pays the drafter's catch-up on every context it skipped), up to 16x.
@@ -92,12 +105,18 @@ class DraftGate:
         build: BuildCost,
         layout: TokenLayout,
         overhead: StepOverhead | None = None,
+        learning: bool = False,
+        calibrate: Calibration | None = None,
     ) -> int:
         """Draft nodes per tree this step may build (0: decode plainly); counts toward a probe.
 
         `overhead`: each kind of step's host work besides its priced parts (default: none).
+        `learning`: the acceptance forecast rests on too few verified steps to judge drafting
+        by (the policy's calibrator has learned few): draft at the best drafting ceiling, and
+        hold no streak, so each such step decides with what the last one taught.
         Each candidate's predicted rate is divided by its measured step-time ratio
-        (`step_residual.py`); `record_step_ms` teaches that ratio from the step this chose."""
+        (`step_residual.py`); `record_step_ms` teaches that ratio from the step this chose.
+        `calibrate`: the acceptance of drafter probabilities (None: the curve is acceptance)."""
         overhead = overhead or StepOverhead()
         self._decided = None
         cap = max(caps)
@@ -105,7 +124,9 @@ class DraftGate:
             return 0
         batch_size = len(caps)
         plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
-        streak = (batch_bucket(batch_size), cap)  # requests finishing one by one keep a streak
+        # Requests finishing one by one keep a streak, and so do caps shrinking within their
+        # power of two (the engine caps each request at the draft tokens it can still keep).
+        streak = (batch_bucket(batch_size), batch_bucket(cap))
         draft_ms = cost.draft_ms(batch_size)
         if streak == self._streak and self._streak_holds(plain_ms, draft_ms):
             # A streak over the same batch keeps its choice until its probe is due, and decides
@@ -116,27 +137,31 @@ class DraftGate:
             self.steps_since_probe += 1
             self._streak_age += 1
             self.probing = False
-            if self._streak_choice == 0:
+            choice = min(self._streak_choice, cap)
+            if choice == 0:
                 self._decided = (batch_size, 0, plain_ms)  # its price is read again every step
-            elif batch_size == self._streak_batch:
-                # A drafting streak's prediction was made for the batch it was decided at: a
-                # smaller batch in the same bucket would teach the ceiling a biased ratio.
-                self._decided = (batch_size, self._streak_choice, self._streak_ms)
-            return self._streak_choice
+            elif batch_size == self._streak_batch and choice == self._streak_choice:
+                # A drafting streak's prediction was made for the batch and cap it was decided
+                # at: a smaller batch, or trees cut by a smaller cap, would teach a biased ratio.
+                self._decided = (batch_size, choice, self._streak_ms)
+            return choice
         clear_loss = False  # drafting predicted well below plain decoding
         if self.curve is None:
             best = drafted = self._first_ceiling(caps, cost, build, overhead)
             predicted_ms: dict[int, float] = {}
         else:
-            candidates, rates, step_ms = self._drafted_ceilings(caps, cost, build, layout, overhead)
+            acceptance = self.curve if calibrate is None else calibrate(self.curve) * self.spread
+            candidates, rates, step_ms = self._drafted_ceilings(
+                acceptance, caps, cost, build, layout, overhead
+            )
             predicted_ms = dict(zip(candidates, step_ms.tolist(), strict=True))
             pick = int(np.argmax(rates))  # the first (narrowest) of equal rates
             drafted, drafted_rate = candidates[pick], float(rates[pick])
             plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / self.residual.ratio(
                 batch_size, 0
             )
-            best = drafted if drafted_rate > plain_rate else 0
-            clear_loss = drafted_rate < CLEAR_LOSS * plain_rate
+            best = drafted if drafted_rate > plain_rate or learning else 0
+            clear_loss = drafted_rate < CLEAR_LOSS * plain_rate and not learning
         predicted_ms[0] = plain_ms
         if streak[0] != self._probe_bucket:  # a new load: learn its neighbours soon, not now
             self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, self.probe_interval)
@@ -160,7 +185,7 @@ class DraftGate:
             # A probe after plain steps drafts a few requests only, catching up: it teaches none.
             self._decided = (batch_size, chosen, predicted_ms[chosen])
         # A probe, or the first step, is its own decision; the best choice starts a streak.
-        self._streak = streak if not probe_due and self._decided is not None else None
+        self._streak = streak if not (probe_due or learning) and self._decided is not None else None
         self._streak_choice, self._streak_age, self._streak_batch = chosen, 0, batch_size
         self._streak_ms = predicted_ms.get(chosen, 0.0)
         self._streak_prices = (plain_ms, draft_ms)
@@ -197,6 +222,7 @@ class DraftGate:
 
     def _drafted_ceilings(
         self,
+        acceptance: np.ndarray,
         caps: Sequence[int],
         cost: StepCost,
         build: BuildCost,
@@ -204,14 +230,14 @@ class DraftGate:
         overhead: StepOverhead,
     ) -> tuple[list[int], np.ndarray, np.ndarray]:
         """The drafting ceilings, their predicted rates over their measured ratios, and their
-        predicted step milliseconds (the models' own, which the ratios are learned against)."""
-        assert self.curve is not None
+        predicted step milliseconds (the models' own, which the ratios are learned against).
+        `acceptance`: the recent curve, calibrated."""
         batch_size = len(caps)
         candidates = powers_of_two_upto(max(caps))
         nodes_built = _nodes_built(caps, candidates)
         build_ms = build.ms(batch_size, nodes_built, np.minimum(candidates, max(caps)))
         draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms + build_ms
-        rates, step_ms = ceiling_rates(self.curve, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
+        rates, step_ms = ceiling_rates(acceptance, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
         ratios = np.array([self.residual.ratio(batch_size, c) for c in candidates])
         return candidates, rates / ratios, step_ms
 
@@ -236,26 +262,35 @@ class DraftGate:
                 affordable = candidate
         return affordable
 
-    def record_curve(self, accept_probs: np.ndarray, lengths: np.ndarray) -> None:
-        """A drafted step's candidates as one matrix: row b holds request b's calibrated
-        probabilities in best-first order, its first `lengths[b]` entries (zeros past them)."""
+    def record_curve(
+        self, probs: np.ndarray, lengths: np.ndarray, calibrate: Calibration | None = None
+    ) -> None:
+        """A drafted step's candidates as one matrix: row b holds request b's drafter
+        probabilities in best-first order (acceptance probabilities when `calibrate` is None),
+        its first `lengths[b]` entries (zeros past them)."""
         width = int(lengths.max(initial=0))
         if width == 0:
             return
-        sums = accept_probs[:, :width].sum(axis=0)
         # Requests whose tree reaches position j: those longer than j.
-        counts = len(lengths) - np.cumsum(np.bincount(lengths, minlength=width + 1))[:width]
-        step_curve = sums / np.maximum(counts, 1)
+        counts = np.maximum(len(lengths) - np.cumsum(np.bincount(lengths, minlength=width + 1))[:width], 1)
+        step_curve = probs[:, :width].sum(axis=0) / counts
+        step_spread = np.ones(width)
+        if calibrate is not None:
+            mean_of_calibrated = calibrate(probs[:, :width]).sum(axis=0) / counts
+            calibrated_mean = calibrate(step_curve)
+            np.divide(mean_of_calibrated, calibrated_mean, out=step_spread, where=calibrated_mean > 0)
         if self.curve is None:
-            self.curve = step_curve
+            self.curve, self.spread = step_curve, step_spread
             return
         known = min(width, len(self.curve))
         self.curve[:known] += self.curve_weight * (step_curve[:known] - self.curve[:known])
+        self.spread[:known] += self.curve_weight * (step_spread[:known] - self.spread[:known])
         if width > known:
             # Positions no tree reached before (a probe past the ceilings so far) start as
             # measured: blended up from zero they would price the wider ceiling at a third of
             # its gain, and the next probe is a probe interval away.
             self.curve = np.concatenate((self.curve, step_curve[known:]))
+            self.spread = np.concatenate((self.spread, step_spread[known:]))
 
 
 def _nodes_built(caps: Sequence[int], ceilings: Sequence[int]) -> np.ndarray:
