@@ -16,7 +16,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
 )
 from ddtree_serve.engine.budget.allocator import allocate_padded_rows, ceiling_rates
-from ddtree_serve.engine.budget.policy import CALIBRATION_STEPS, EARLY_CALIBRATIONS
+from ddtree_serve.engine.budget.policy import CALIBRATION_STEPS, EARLY_CALIBRATIONS, LEARNING_STEPS
 from ddtree_serve.tree import TreeBatch, build_ddtree, draft_topk
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
@@ -300,3 +300,63 @@ def test_the_calibrator_learns_the_first_steps_at_once_then_in_batches():
     early, batched = calibrated[:EARLY_CALIBRATIONS], calibrated[EARLY_CALIBRATIONS:]
     assert all(later < earlier for earlier, later in itertools.pairwise(early))
     assert batched[:-1] == [early[-1]] * (CALIBRATION_STEPS - 1) and batched[-1] < early[-1]
+
+
+def test_the_first_drafted_steps_teach_the_calibrator_before_drafting_is_judged():
+    """The drafter costs 20 plain steps, so a gate judging from the drafter's own forecast
+    decodes plainly from its second step. The policy first drafts LEARNING_STEPS steps and
+    verifies their trees whole (each node teaches the calibrator), then turns plain."""
+    tree = TreeBatch.from_trees([build_ddtree(*random_draft(0), 8, root_token=7)])
+    policy = AdaptiveBudget(linear_curve(5.0, 0.5, draft_ms=100.0))
+    kinds = []
+    for _ in range(LEARNING_STEPS + 3):
+        ceiling = policy.plan([8])
+        if ceiling == 0:
+            kinds.append("plain")
+            policy.record_verify_ms(5.5)
+            policy.observe(tree.prefix([0]), [[]])
+            continue
+        policy.record_draft_ms(100.0)
+        built = tree.prefix([ceiling])  # the build at the ceiling
+        allocation = policy.choose(built, [8])
+        kinds.append("whole" if allocation.num_nodes[0] == int(built.num_nodes[0]) - 1 else "cut")
+        policy.record_verify_ms(10.0)
+        policy.observe(built.prefix(allocation.num_nodes), [[1]])
+    assert kinds == ["whole"] * LEARNING_STEPS + ["plain"] * 3
+    judging = AdaptiveBudget(linear_curve(5.0, 0.5, draft_ms=100.0), learning_steps=0)
+    judging.plan([8])
+    judging.record_draft_ms(100.0)
+    judging.observe(tree.prefix(judging.choose(tree, [8]).num_nodes), [[1]])
+    assert judging.plan([8]) == 0
+
+
+def odds_scaled(factor: float):
+    """A calibration that multiplies the drafter's odds by `factor` (concave for factor > 1)."""
+    return lambda p: factor * p / (1.0 - p + factor * p)
+
+
+def test_the_gate_prices_its_curve_with_the_calibration_it_has_now():
+    """Trees learned while the calibrator still took the drafter at its word (drafting a loss
+    at that price); the calibrator then finds the drafter accepts far more than it says: the
+    next decision drafts, with no new tree learned in between."""
+    gate = DraftGate()
+    cost = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=4.0)
+    rows = np.tile(UNSURE * 0.5, (2, 1))
+    gate.record_curve(rows, np.array([8, 8]), calibrate=odds_scaled(1.0))
+    assert gate.ceiling([8, 8], cost, FREE_BUILD, "padded", calibrate=odds_scaled(1.0)) == 0
+    fresh = DraftGate()
+    fresh.record_curve(rows, np.array([8, 8]), calibrate=odds_scaled(1.0))
+    assert fresh.ceiling([8, 8], cost, FREE_BUILD, "padded", calibrate=odds_scaled(20.0)) > 0
+
+
+def test_the_gates_curve_under_one_calibration_is_the_mean_of_the_calibrated_trees():
+    """The curve keeps drafter probabilities; with the map unchanged since, its calibration
+    (spread included) is the calibrated trees' mean, position by position."""
+    rng = np.random.default_rng(5)
+    rows = np.sort(rng.uniform(0.0, 0.9, size=(6, 8)), axis=1)[:, ::-1]
+    lengths = np.array([8, 8, 5, 8, 3, 8])
+    rows[np.arange(8) >= lengths[:, None]] = 0.0
+    gate, calibrate = DraftGate(), odds_scaled(3.0)
+    gate.record_curve(rows, lengths, calibrate=calibrate)
+    reaching = (np.arange(8) < lengths[:, None]).sum(axis=0)
+    np.testing.assert_allclose(calibrate(gate.curve) * gate.spread, calibrate(rows).sum(axis=0) / reaching)

@@ -149,6 +149,7 @@ def allocate_padded_rows(
     draft_ms: float,
     token_buckets: Sequence[int] | None = None,
     ordered: bool = False,
+    whole: bool = False,
 ) -> Allocation:
     """`allocate(..., layout="padded")` for a batch held as one matrix: the engine's per-step
     path, without per-request work. `probs [B, W]`: each request's calibrated acceptance
@@ -160,6 +161,7 @@ def allocate_padded_rows(
     bucket anyway, so each candidate width is priced as its bucket (the forward it really runs)
     and filled up to `bucket - 1` nodes for every request whose tree and cap have them: the
     widths the engine verifies fall on the buckets, and none looks cheaper than its graph.
+    `whole`: no choice, every request keeps its first `lengths[b]` nodes (the widest width).
     """
     batch_size, width = probs.shape
     if not ordered:
@@ -168,6 +170,8 @@ def allocate_padded_rows(
     cumulative = np.concatenate((np.zeros((batch_size, 1)), np.cumsum(probs, axis=1)), axis=1)  # [B, W + 1]
     buckets = None if token_buckets is None else tuple(token_buckets)
     widths = _candidate_widths(int(lengths.max(initial=0)), buckets)
+    if whole:
+        widths = widths[-1:]
     expected = batch_size + cumulative.sum(axis=0)[np.minimum(widths, width)]
     step_ms = draft_ms + cost.verify_ms(batch_size, batch_size * (widths + 1))
     best = int(np.argmax(expected / step_ms))

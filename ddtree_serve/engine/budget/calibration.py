@@ -97,7 +97,6 @@ class AcceptanceCalibrator:
             self._table = (np.concatenate(([0.0], mean_probs)), np.concatenate(([0.0], monotone)))
         return self._table
 
-
     def _prior_rates(self) -> np.ndarray:
         """Each bin's prior acceptance: its centre probability, its odds scaled by the drafter's
         accepted nodes over its forecast for them so far."""

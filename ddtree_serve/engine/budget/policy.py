@@ -40,6 +40,11 @@ little per step (decay 0.995), and the refit costs more host time than a fast st
 EARLY_CALIBRATIONS = 8
 """Updates made one drafted step at a time before the calibrator batches them."""
 
+LEARNING_STEPS = 4
+"""Drafted steps the calibrator learns before the gate may judge drafting a loss: before them
+the forecast is mostly the drafter's own word (the bundled drafter's is half what it accepts),
+and a gate that turned plain on it would learn more only from a probe every 16 steps."""
+
 
 @dataclass(frozen=True)
 class BudgetStep:
@@ -78,9 +83,12 @@ class AdaptiveBudget:
         gate: DraftGate | None = None,
         layout: TokenLayout = "padded",
         token_buckets: Sequence[int] | None = None,
+        learning_steps: int = LEARNING_STEPS,
     ) -> None:
         """`build`: the host build's cost (default: free, so only the forwards are priced).
-        `token_buckets`: the tree tokens a graphed target pads each verify to (None: eager)."""
+        `token_buckets`: the tree tokens a graphed target pads each verify to (None: eager).
+        `learning_steps`: drafted steps taught to the calibrator before drafting may be judged
+        a loss (`LEARNING_STEPS`; 0: the gate judges from the first curve)."""
         self.cost = cost
         self.build = build or BuildCost(0.0, 0.0, 0.0)
         self.calibrator = calibrator or AcceptanceCalibrator()
@@ -88,9 +96,9 @@ class AdaptiveBudget:
         self.layout = layout  # the engine pads every tree of a batch to the widest
         self.token_buckets = None if token_buckets is None else tuple(token_buckets)
         self.overhead = StepOverhead()
+        self.learning_steps = learning_steps
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
         self._raw_probs = np.zeros((0, 0))  # the last chosen step's drafter probabilities [B, built]
-        self._calibrated = np.zeros((0, 0))
         self._built_lengths = np.zeros(0, dtype=np.int64)  # its draft nodes built per request
         self.last_step: BudgetStep | None = None
         self._ceiling = 0
@@ -105,16 +113,31 @@ class AdaptiveBudget:
         # to the calibrator: it learns `CALIBRATION_STEPS` steps' at once (one update, one refit).
         self._calibration_batch: list[tuple[np.ndarray, np.ndarray]] = []
         self._num_calibrations = 0
+        self._learning = True  # this step drafts to teach the calibrator (`LEARNING_STEPS`)
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         self._catching_up = self._graph_capped = False
-        if self.gate.curve is None or (self._lesson is not None and self._lesson.probe):
-            # The first drafted step's trees give the gate its curve, and a probe's tell it
-            # whether to draft again, before it decides (else the lesson waits for the draft).
+        if (
+            self.gate.curve is None
+            or self._num_calibrations < self.learning_steps
+            or (self._lesson is not None and self._lesson.probe)
+        ):
+            # The first drafted steps' trees give the gate its curve and the calibrator its
+            # first data, and a probe's tell it whether to draft again, before it decides (else
+            # the lesson waits for the draft).
             self.learn()
-        self._ceiling = self.gate.ceiling(caps, self.cost, self.build, self.layout, self.overhead)
+        self._learning = self._num_calibrations < self.learning_steps
+        self._ceiling = self.gate.ceiling(
+            caps,
+            self.cost,
+            self.build,
+            self.layout,
+            self.overhead,
+            learning=self._learning,
+            calibrate=self.calibrator.calibrate,
+        )
         return self._ceiling
 
     @property
@@ -161,8 +184,8 @@ class AdaptiveBudget:
         logws = np.where(built, trees.logws[:, 1 : 1 + width], -np.inf)
         raw = np.exp(logws)
         calibrated = self.calibrator.calibrate(raw)  # 0 stays 0: the map is anchored there
-        self._raw_probs, self._built_lengths = raw, lengths  # what `observe` teaches the calibrator
-        self._calibrated = calibrated  # ... and the gate's recent curve (`learn`)
+        # What `observe` teaches the calibrator and the gate's recent curve (`learn`).
+        self._raw_probs, self._built_lengths = raw, lengths
         draft_ms = self.cost.draft_ms(trees.batch_size) if self._draft_ms is None else self._draft_ms
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         if self.layout == "padded":
@@ -178,6 +201,7 @@ class AdaptiveBudget:
                 draft_ms=draft_ms,
                 token_buckets=self.token_buckets if captured is None else tuple(captured),
                 ordered=uncut,  # the calibrated map is monotone: each row keeps its tree's order
+                whole=self._learning,  # verified whole: the calibrator learns every built node
             )
         else:
             accept_probs = [row[:length] for row, length in zip(calibrated, lengths.tolist(), strict=True)]
@@ -214,7 +238,6 @@ class AdaptiveBudget:
                 build_ms=self._build_ms,
                 built_lengths=self._built_lengths,
                 raw_probs=self._raw_probs,
-                calibrated=self._calibrated,
                 verified=verified,
                 accepted_nodes=accepted_nodes,
             )
@@ -248,7 +271,7 @@ class AdaptiveBudget:
         nodes = lesson.nodes
         if nodes is None:
             return
-        self.gate.record_curve(nodes.calibrated, nodes.built_lengths)
+        self.gate.record_curve(nodes.raw_probs, nodes.built_lengths, self.calibrator.calibrate)
         if nodes.build_ms is not None:
             built = nodes.built_lengths
             self.build.observe(lesson.batch_size, int(built.sum()), int(built.max(initial=0)), nodes.build_ms)
@@ -292,7 +315,6 @@ class _DraftedNodes:
     build_ms: float | None
     built_lengths: np.ndarray  # draft nodes built per request
     raw_probs: np.ndarray  # their drafter probabilities [B, built]
-    calibrated: np.ndarray  # ... calibrated, as `choose` saw them
     verified: list[int]  # draft nodes each request verified (a prefix of its built ones)
     accepted_nodes: Sequence[Sequence[int]]  # per request, accepted node indices (root = 0)
 
