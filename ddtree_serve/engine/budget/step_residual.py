@@ -19,10 +19,9 @@ toward 1 with the steps since its last sample (half-life `STALE_HALF_LIFE_STEPS`
 engine has turned away from is tried again some time later, when load or host may have changed.
 """
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
-
-import numpy as np
 
 MAX_RATIO = 4.0
 """A step counts as at most this many times its prediction (or its inverse)."""
@@ -58,7 +57,7 @@ class _Ratio:
         self.recent.append(sample)
         self.samples += 1
         self.last_step = step
-        self.median = float(np.median(self.recent))
+        self.median = statistics.median(self.recent)  # a few samples: no array round trip
 
 
 @dataclass
