@@ -27,10 +27,11 @@ def test_a_ratio_follows_its_steps_and_untaken_ceilings_read_the_nearest_taken_o
     assert residual.ratio(8, 16) == 1.0 and residual.ratio(8, 0) == 1.0  # nothing known
     for _ in range(40):
         residual.observe(8, 16, predicted_ms=4.0, measured_ms=6.0)
-    assert residual.ratio(8, 16) == pytest.approx(1.0 + 40 / (40 + SHRINK_SAMPLES) * 0.5)
+    assert residual.ratio(8, 16) == pytest.approx(1.5, abs=0.002)
     assert residual.ratio(7, 16) == residual.ratio(8, 16)  # the same batch bucket
     assert residual.ratio(8, 32) == residual.ratio(8, 16)  # nearest taken drafting ceiling
-    assert residual.ratio(8, 0) == 1.0  # a plain step reads only its own
+    # A plain step with no samples of its own reads the bucket's level (every ceiling's steps).
+    assert residual.ratio(8, 0) == pytest.approx(1.0 + 40 / (40 + SHRINK_SAMPLES) * 0.5)
     assert residual.ratio(16, 16) == 1.0  # another bucket
     frozen = StepResidual(frozen=True)
     frozen.observe(8, 16, predicted_ms=4.0, measured_ms=6.0)
@@ -38,13 +39,17 @@ def test_a_ratio_follows_its_steps_and_untaken_ceilings_read_the_nearest_taken_o
 
 
 def test_one_noisy_step_moves_a_ratio_a_little():
-    """A first step three times its prediction (the process descheduled) is a third of what it
-    says; one sample counts as at most MAX_RATIO times its prediction."""
+    """A first step three times its prediction (the process descheduled) says less than that:
+    it is shrunk toward the bucket's level, itself shrunk toward 1 (trust 1 / (1 + SHRINK) each);
+    one sample counts as at most MAX_RATIO times its prediction."""
     residual = StepResidual()
     residual.observe(1, 16, predicted_ms=10.0, measured_ms=30.0)
-    assert residual.ratio(1, 16) == pytest.approx(1.0 + (3.0 - 1.0) / (1 + SHRINK_SAMPLES))
-    residual.observe(1, 4, predicted_ms=1.0, measured_ms=100.0)
-    assert residual.ratio(1, 4) == pytest.approx(1.0 + (MAX_RATIO - 1.0) / (1 + SHRINK_SAMPLES))
+    distrust = 1.0 - 1.0 / (1 + SHRINK_SAMPLES)
+    assert residual.ratio(1, 16) == pytest.approx(1.0 + (3.0 - 1.0) * (1.0 - distrust**2))
+    huge, capped = StepResidual(), StepResidual()
+    huge.observe(1, 4, predicted_ms=1.0, measured_ms=100.0)
+    capped.observe(1, 4, predicted_ms=1.0, measured_ms=MAX_RATIO)
+    assert huge.ratio(1, 4) == capped.ratio(1, 4)
 
 
 def test_bad_steps_in_a_row_leave_a_ratio_until_they_are_most_of_its_window():
@@ -63,16 +68,19 @@ def test_bad_steps_in_a_row_leave_a_ratio_until_they_are_most_of_its_window():
     assert residual.ratio(8, 0) > 3.0
 
 
-def test_a_ratio_not_refreshed_fades_toward_the_models():
+def test_a_ratio_not_refreshed_fades_toward_the_buckets_level():
     """A ceiling the engine turned away from (its steps took twice their prediction) reads half
-    as far from 1 after STALE_HALF_LIFE_STEPS steps of another ceiling: it is tried again."""
+    as far from the level of the steps since (plain, as predicted) after STALE_HALF_LIFE_STEPS
+    of them: it is tried again."""
     residual = StepResidual()
     for _ in range(40):
         residual.observe(4, 16, predicted_ms=5.0, measured_ms=10.0)
     fresh = residual.ratio(4, 16)
     for _ in range(int(STALE_HALF_LIFE_STEPS)):
         residual.observe(4, 0, predicted_ms=1.0, measured_ms=1.0)
-    assert residual.ratio(4, 16) - 1.0 == pytest.approx(0.5 * (fresh - 1.0))
+    assert fresh == pytest.approx(2.0, abs=0.01)
+    # It fades toward the bucket's level, here the plain steps' 1.0.
+    assert residual.ratio(4, 16) == pytest.approx(1.0 + 0.5 * 40 / (40 + SHRINK_SAMPLES) * (2.0 - 1.0))
 
 
 def flat_cost(verify_ms: float, draft_ms: float) -> CostCurve:
@@ -110,8 +118,11 @@ def test_a_probe_after_plain_steps_teaches_no_ratio():
         gate.record_step_ms(500.0 if gate.probing else 6.0)
         assert ceiling == 0 or gate.probing
     assert probes >= 2
-    assert all(gate.residual.ratio(2, c) == 1.0 for c in (1, 2, 4, 8, 16))
+    # The drafting ceilings have no ratio of their own: they read the level plain steps set.
     assert gate.residual.ratio(2, 0) > 1.3
+    level = gate.residual.ratio(2, 1)
+    assert all(gate.residual.ratio(2, c) == level for c in (2, 4, 8, 16))
+    assert level == pytest.approx(gate.residual.ratio(2, 0), rel=0.05)
 
 
 def test_a_step_the_drafter_lost_teaches_the_drafted_ceiling_nothing():
@@ -196,3 +207,16 @@ def test_caps_shrinking_within_their_power_of_two_keep_the_streak(monkeypatch):
         assert gate.ceiling([cap, cap], cost, FREE_BUILD, "padded") == cap
         gate.record_step_ms(5.0)
     assert len(decisions) <= 1  # at most the recheck after DRAFTED_RECHECK_STEPS
+
+
+def test_a_ceiling_turned_away_from_does_not_fade_below_the_machines_level():
+    """Plain steps run 1.1x their prediction (the machine's share of what the models miss);
+    a drafting ceiling measured at 1.3x, then left for a long plain streak, fades toward 1.1,
+    never to the models' 1.0 that would make it look cheaper than the steps still taken."""
+    residual = StepResidual()
+    for _ in range(WINDOW):
+        residual.observe(8, 8, predicted_ms=50.0, measured_ms=65.0)
+    for _ in range(int(8 * STALE_HALF_LIFE_STEPS)):
+        residual.observe(8, 0, predicted_ms=20.0, measured_ms=22.0)
+    assert residual.ratio(8, 8) == pytest.approx(1.1, abs=0.01)
+    assert residual.ratio(8, 0) == pytest.approx(1.1, abs=0.01)

@@ -14,9 +14,16 @@ not turn the engine away from a ceiling it then never measures again: a ratio is
 its last `WINDOW` samples (on the CI CPU two plain steps at four times their prediction in a
 row, an EMA's 1.8x, held the gate on drafting steps three times slower for the rest of a run:
 the plain ratio is only measured while the gate decodes plainly), shrunk toward 1 (the models'
-own word) by its sample count, `n / (n + SHRINK_SAMPLES)`. What a ratio says also fades
-toward 1 with the steps since its last sample (half-life `STALE_HALF_LIFE_STEPS`): a ceiling the
-engine has turned away from is tried again some time later, when load or host may have changed.
+own word) by its sample count, `n / (n + SHRINK_SAMPLES)`. What a ratio says also fades with
+the steps since its last sample (half-life `STALE_HALF_LIFE_STEPS`): a ceiling the engine has
+turned away from is tried again some time later, when load or host may have changed.
+
+Both shrink and fade go toward the batch bucket's level (the median of its last samples, any
+ceiling), not toward 1: part of what the models miss is the machine's, shared by every kind of
+step (on the CI CPU plain steps ran 1.05-1.15x their prediction at batch 8). A ratio fading to
+1 while the ceilings still taken kept theirs above it made the ceilings turned away from look
+cheaper than they are, and the gate went back to steps it had measured as a loss. A ceiling
+never taken at a bucket reads its nearest taken drafting ceiling's ratio, or the level.
 """
 
 import statistics
@@ -48,10 +55,11 @@ class _Ratio:
     last_step: int  # the residual's step count at its last sample
     median: float = 1.0
 
-    def value(self, step: int) -> float:
+    def value(self, step: int, toward: float = 1.0) -> float:
+        """The recent median, shrunk and faded toward `toward`."""
         trust = self.samples / (self.samples + SHRINK_SAMPLES)
         trust *= 0.5 ** ((step - self.last_step) / STALE_HALF_LIFE_STEPS)
-        return 1.0 + trust * (self.median - 1.0)
+        return toward + trust * (self.median - toward)
 
     def add(self, sample: float, step: int) -> None:
         self.recent.append(sample)
@@ -68,20 +76,23 @@ class StepResidual:
 
     frozen: bool = False
     _ratios: dict[tuple[int, int], _Ratio] = field(default_factory=dict)
+    _levels: dict[int, _Ratio] = field(default_factory=dict)  # per bucket, every ceiling's samples
     _steps: int = 0  # steps observed, any ceiling: the clock ratios go stale by
 
     def ratio(self, batch_size: int, ceiling: int) -> float:
-        """The ratio of this ceiling at this batch; a drafting ceiling not yet taken reads the
-        nearest taken one's (in doublings) at the same batch bucket, a plain step only its own."""
+        """The ratio of this ceiling at this batch, toward its bucket's level; a drafting
+        ceiling not yet taken reads the nearest taken one's (in doublings) at the same batch
+        bucket, a plain step only its own, either the level when there is none."""
         bucket = batch_bucket(batch_size)
+        level_samples = self._levels.get(bucket)
+        level = 1.0 if level_samples is None else level_samples.value(self._steps)
         known = self._ratios.get((bucket, ceiling))
-        if known is not None or ceiling == 0:
-            return 1.0 if known is None else known.value(self._steps)
-        taken = [c for b, c in self._ratios if b == bucket and c > 0]
-        if not taken:
-            return 1.0
-        nearest = min(taken, key=lambda c: (abs(c.bit_length() - ceiling.bit_length()), c))
-        return self._ratios[(bucket, nearest)].value(self._steps)
+        if known is None and ceiling > 0:
+            taken = [c for b, c in self._ratios if b == bucket and c > 0]
+            if taken:
+                nearest = min(taken, key=lambda c: (abs(c.bit_length() - ceiling.bit_length()), c))
+                known = self._ratios[(bucket, nearest)]
+        return level if known is None else known.value(self._steps, toward=level)
 
     def observe(self, batch_size: int, ceiling: int, predicted_ms: float, measured_ms: float) -> None:
         """One step at `ceiling` (0: plain) over `batch_size` requests, predicted and measured."""
@@ -89,6 +100,9 @@ class StepResidual:
             return  # nothing to learn from, or frozen
         self._steps += 1
         sample = min(max(measured_ms / predicted_ms, 1.0 / MAX_RATIO), MAX_RATIO)
-        key = (batch_bucket(batch_size), ceiling)
-        ratio = self._ratios.setdefault(key, _Ratio(deque(maxlen=WINDOW), 0, self._steps))
-        ratio.add(sample, self._steps)
+        bucket = batch_bucket(batch_size)
+        for ratio in (
+            self._ratios.setdefault((bucket, ceiling), _Ratio(deque(maxlen=WINDOW), 0, self._steps)),
+            self._levels.setdefault(bucket, _Ratio(deque(maxlen=WINDOW), 0, self._steps)),
+        ):
+            ratio.add(sample, self._steps)
