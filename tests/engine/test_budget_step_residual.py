@@ -30,8 +30,7 @@ def test_a_ratio_follows_its_steps_and_untaken_ceilings_read_the_nearest_taken_o
     assert residual.ratio(8, 16) == pytest.approx(1.5, abs=0.002)
     assert residual.ratio(7, 16) == residual.ratio(8, 16)  # the same batch bucket
     assert residual.ratio(8, 32) == residual.ratio(8, 16)  # nearest taken drafting ceiling
-    # A plain step with no samples of its own reads the bucket's level (every ceiling's steps).
-    assert residual.ratio(8, 0) == pytest.approx(1.0 + 40 / (40 + SHRINK_SAMPLES) * 0.5)
+    assert residual.ratio(8, 0) == 1.0  # a plain step reads only its own
     assert residual.ratio(16, 16) == 1.0  # another bucket
     frozen = StepResidual(frozen=True)
     frozen.observe(8, 16, predicted_ms=4.0, measured_ms=6.0)

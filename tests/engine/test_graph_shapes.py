@@ -101,7 +101,7 @@ def test_past_the_calibrated_rows_each_batch_keeps_one_drafted_width(
 
 def confident_policy() -> tuple[AdaptiveBudget, TreeBatch, int]:
     cost = CostCurve([1], [1, 64], [[1.0, 1.0]], draft_ms=[0.0])  # free nodes: the widest pays
-    policy = AdaptiveBudget(cost, token_buckets=TOKEN_BUCKETS)
+    policy = AdaptiveBudget(cost, token_buckets=TOKEN_BUCKETS, learning_steps=0)  # the curve is given
     policy.gate.record_curve(np.full((1, 32), 0.9), np.array([32]))
     ceiling = policy.plan([32])
     assert ceiling == 32

@@ -181,8 +181,9 @@ class DraftGate:
             self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
         # A due probe restarts the count even when it could take no other ceiling (a cap of 1).
         self.steps_since_probe = 0 if probe_due else self.steps_since_probe + 1
-        if not self.probing and chosen in predicted_ms:
-            # A probe after plain steps drafts a few requests only, catching up: it teaches none.
+        if not self.probing and not learning and chosen in predicted_ms:
+            # A probe after plain steps drafts a few requests only, catching up, and a learning
+            # step verifies its trees whole, wider than priced: neither teaches a ratio.
             self._decided = (batch_size, chosen, predicted_ms[chosen])
         # A probe, or the first step, is its own decision; the best choice starts a streak.
         self._streak = streak if not (probe_due or learning) and self._decided is not None else None

@@ -82,7 +82,7 @@ class StepResidual:
     def ratio(self, batch_size: int, ceiling: int) -> float:
         """The ratio of this ceiling at this batch, toward its bucket's level; a drafting
         ceiling not yet taken reads the nearest taken one's (in doublings) at the same batch
-        bucket, a plain step only its own, either the level when there is none."""
+        bucket, or the level when there is none; a plain step only its own (1.0 without)."""
         bucket = batch_bucket(batch_size)
         level_samples = self._levels.get(bucket)
         level = 1.0 if level_samples is None else level_samples.value(self._steps)
@@ -92,7 +92,9 @@ class StepResidual:
             if taken:
                 nearest = min(taken, key=lambda c: (abs(c.bit_length() - ceiling.bit_length()), c))
                 known = self._ratios[(bucket, nearest)]
-        return level if known is None else known.value(self._steps, toward=level)
+        if known is None:  # a plain step never taken is not priced by the drafting steps' misses
+            return level if ceiling > 0 else 1.0
+        return known.value(self._steps, toward=level)
 
     def observe(self, batch_size: int, ceiling: int, predicted_ms: float, measured_ms: float) -> None:
         """One step at `ceiling` (0: plain) over `batch_size` requests, predicted and measured."""
