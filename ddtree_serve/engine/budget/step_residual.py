@@ -5,7 +5,7 @@ overhead. What they leave out differs by ceiling and by machine: on the H200 a c
 at batch 32 took 7.2 ms where its parts predicted about 5 (the drafter's host launch grows with
 its top-K, the host build and the verify walk with the nodes), and the same code on a host a
 third slower ranks the fixed budgets differently. So the gate keeps, per (batch bucket,
-ceiling), an EMA of measured over predicted step time, and divides each candidate's predicted
+ceiling), the recent median of measured over predicted step time, and divides each candidate's predicted
 rate by it: a ceiling is judged by what its steps cost here, the models only rank the ones not
 yet taken (at the nearest taken ceiling's ratio, so model and measurement are compared alike).
 
@@ -13,8 +13,8 @@ Step times are noisy (a descheduled process, a shared 2-core CI machine), and ba
 not turn the engine away from a ceiling it then never measures again: a ratio is the median of
 its last `WINDOW` samples (on the CI CPU two plain steps at four times their prediction in a
 row, an EMA's 1.8x, held the gate on drafting steps three times slower for the rest of a run:
-the plain ratio is only measured while the gate decodes plainly), shrunk toward 1 (the models'
-own word) by its sample count, `n / (n + SHRINK_SAMPLES)`. What a ratio says also fades with
+the plain ratio is only measured while the gate decodes plainly), shrunk toward its bucket's
+level (below) by its sample count, `n / (n + SHRINK_SAMPLES)`. What a ratio says also fades with
 the steps since its last sample (half-life `STALE_HALF_LIFE_STEPS`): a ceiling the engine has
 turned away from is tried again some time later, when load or host may have changed.
 
@@ -37,7 +37,7 @@ WINDOW = 7
 """Recent samples a ratio is the median of: up to three outliers in a row leave it alone."""
 
 SHRINK_SAMPLES = 2.0
-"""Pseudo-samples at ratio 1 behind every ratio: one step is a third of what it says."""
+"""Pseudo-samples at the bucket's level behind every ratio: one step is a third of what it says."""
 
 STALE_HALF_LIFE_STEPS = 64.0
 """Steps (of any ceiling) after which an unrefreshed ratio says half what it did."""
@@ -103,8 +103,8 @@ class StepResidual:
         self._steps += 1
         sample = min(max(measured_ms / predicted_ms, 1.0 / MAX_RATIO), MAX_RATIO)
         bucket = batch_bucket(batch_size)
-        for ratio in (
-            self._ratios.setdefault((bucket, ceiling), _Ratio(deque(maxlen=WINDOW), 0, self._steps)),
-            self._levels.setdefault(bucket, _Ratio(deque(maxlen=WINDOW), 0, self._steps)),
-        ):
+        for table, key in ((self._ratios, (bucket, ceiling)), (self._levels, bucket)):
+            ratio = table.get(key)
+            if ratio is None:  # built only when missing: this runs every step
+                ratio = table[key] = _Ratio(deque(maxlen=WINDOW), 0, self._steps)
             ratio.add(sample, self._steps)
