@@ -16,7 +16,11 @@ replays them through each hop alone, with echo actors that do no model work:
 
 The last table times whole engine steps on the real models: in process, over actor calls and
 over the compiled graph transport (when it is importable), rounds interleaved so the machine's
-load hits every configuration alike.
+load hits every configuration alike. For the serial transports it also splits each seam call
+into its parts from the workers' call traces (`serve/call_trace.py`) set beside the
+Coordinator's stamps (one clock for the host's processes): the hop to the worker, the worker's
+unwiring, its model work, its wiring (which waits for the device), and the hop back (for the
+compiled graph's verify, the drafter taking the features is part of the hop back).
 
     python bench/hop_breakdown.py --batch-sizes 1 4 16 --repeats 200
     python bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8   # on the GPU machine
@@ -144,6 +148,56 @@ class GraphEchoTarget:
     @ray.method(num_returns=2)
     def verify(self, inputs: Any) -> tuple[Any, Any]:
         return (None, None) if inputs is None else (self._result, self._context)
+
+
+class _CallStamper:
+    """Wraps the engine's target/drafter adapter: (start, end) seconds of each draft/verify call."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: dict[str, list[tuple[float, float]]] = {"draft": [], "verify_and_commit": []}
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.inner, name)
+        if name not in self.calls:
+            return attribute
+
+        def stamped(inputs: Any) -> Any:
+            start = time.perf_counter()
+            output = attribute(inputs)
+            self.calls[name].append((start, time.perf_counter()))
+            return output
+
+        return stamped
+
+
+# The worker-side methods of each seam call (actor calls, compiled graph).
+_DRAFT_METHODS = ("draft", "graph_draft")
+_VERIFY_METHODS = ("verify_and_commit", "graph_call:verify_and_commit")
+
+
+def call_parts_ms(
+    coordinator: list[tuple[float, float]], worker: list[Any], after: list[Any] | None = None
+) -> dict[str, float]:
+    """Median ms of each part of one seam call, pairing the Coordinator's calls with the worker's
+    in order: hop in, the worker's marked parts, hop back (`after`: a second worker's calls that
+    the Coordinator also waits for, e.g. the drafter taking the features; its time counts in the
+    hop back)."""
+    parts: dict[str, list[float]] = {}
+    for index, ((start, end), stamps) in enumerate(zip(coordinator, worker, strict=False)):
+        parts.setdefault("hop in", []).append(stamps.start_s - start)
+        previous = stamps.start_s
+        for part, at in stamps.marks:
+            if part != "return":
+                parts.setdefault(part, []).append(at - previous)
+                previous = at
+        returned = stamps.marks[-1][1]
+        if after is not None and index < len(after):
+            features_s = after[index].marks[-1][1] - after[index].start_s
+            parts.setdefault("drafter takes features (in hop back)", []).append(features_s)
+        parts.setdefault("hop back", []).append(end - returned)
+        parts.setdefault("call", []).append(end - start)
+    return {part: 1e3 * statistics.median(values) for part, values in parts.items()}
 
 
 def _median_ms(run: Callable[[], Any], repeats: int) -> float:
@@ -317,20 +371,44 @@ def engine_step_table(
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     samples: dict[str, list[float]] = {name: [] for name, *_ in configurations}
     stage_ms: dict[str, dict[str, float]] = {name: {} for name, *_ in configurations}
+    parts_ms: dict[str, dict[str, float]] = {}
     for round_index in range(rounds):
-        for name, _, compiled, overlap in configurations:
+        for name, placement, compiled, overlap in configurations:
             target, drafter = workers[name]
             if compiled:
                 target, drafter = graph_workers(target, drafter)  # type: ignore[arg-type]
+            traced = placement == "actors" and not overlap
+            if traced:
+                ray.get([w.actor.trace_calls.remote(True) for w in (target, drafter)])  # type: ignore[union-attr]
+                target, drafter = _CallStamper(target), _CallStamper(drafter)  # type: ignore[assignment]
             engine = SpecEngine(settings, target, drafter, tokenizer, overlap=overlap)
             for i in range(batch_size):
                 engine.add_request(f"{round_index}-{i}", PROMPTS[i % len(PROMPTS)], params)
             engine.step()  # prefill + first step out of the figure
             engine.timer.reset()
+            if traced:
+                _take_traces(target, drafter)
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             samples[name].append(1e3 * (time.perf_counter() - start) / steps)
+            if traced:
+                own_drafts = list(drafter.calls["draft"])  # type: ignore[union-attr]
+                own_verifies = list(target.calls["verify_and_commit"])  # type: ignore[union-attr]
+                target_calls, drafter_calls = _take_traces(target, drafter)
+                taken = [c for c in drafter_calls if c.method == "graph_take_context"]
+                draft_parts = call_parts_ms(
+                    own_drafts, [c for c in drafter_calls if c.method in _DRAFT_METHODS]
+                )
+                verify_parts = call_parts_ms(
+                    own_verifies,
+                    [c for c in target_calls if c.method in _VERIFY_METHODS],
+                    taken if compiled else None,
+                )
+                for seam, seam_parts in (("draft", draft_parts), ("verify", verify_parts)):
+                    for part, ms in seam_parts.items():
+                        parts_ms[f"    {name} {seam}: {part}"] = ms
+                target, drafter = target.inner, drafter.inner  # type: ignore[union-attr]
             for stage, seconds in engine.timer.seconds.items():
                 total = stage_ms[name].get(stage, 0.0) + 1e3 * seconds / steps / rounds
                 stage_ms[name][stage] = total
@@ -347,7 +425,16 @@ def engine_step_table(
     for name, stages in stage_ms.items():
         for stage, ms in stages.items():
             figures[f"  {name}: {stage}"] = ms
+    figures.update(parts_ms)  # the last round's
     return figures
+
+
+def _take_traces(target: Any, drafter: Any) -> tuple[list[Any], list[Any]]:
+    """Both workers' stamped calls since the last take; the stampers' own stamps restart too."""
+    for stamper in (target, drafter):
+        for calls in stamper.calls.values():
+            calls.clear()
+    return tuple(ray.get([w.actor.take_call_trace.remote() for w in (target, drafter)]))  # type: ignore[return-value]
 
 
 def _free_port() -> int:

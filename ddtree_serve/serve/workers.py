@@ -51,6 +51,7 @@ from ddtree_serve.engine.interfaces import (
     VerifyInput,
     VerifyOutput,
 )
+from ddtree_serve.serve.call_trace import CallStamps, CallTrace, mark
 from ddtree_serve.serve.graph_calls import ContextDelivery, DrafterCall, TargetCall
 from ddtree_serve.serve.wire import from_wire, to_wire
 
@@ -85,6 +86,7 @@ class TargetWorker:
         self._serving = not ray.get_runtime_context().was_current_actor_reconstructed
         # Compiled step graph only: (call id, wired output) of the last graph call.
         self._last_graph_call: tuple[int | None, Wired] = (None, None)
+        self._trace = CallTrace()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -94,6 +96,13 @@ class TargetWorker:
             "verify_token_buckets": self._target.verify_token_buckets,
             "serving": self._serving,
         }
+
+    def trace_calls(self, enabled: bool) -> None:
+        """Stamp each step call's parts from now on (or stop); see `call_trace.py`."""
+        self._trace.enabled = enabled
+
+    def take_call_trace(self) -> list[CallStamps]:
+        return self._trace.take()
 
     def start_serving(self, num_slots: int) -> None:
         """Empty slots `0 .. num_slots - 1` and accept step calls from a new engine.
@@ -110,15 +119,26 @@ class TargetWorker:
     def prefill(self, inputs: Wired) -> tuple[Wired, Wired]:
         """`inputs`: a wired `PrefillInput` -> (wired `PrefillOutput` without context, wired context)."""
         self._check_serving()
-        output = self._target.prefill(from_wire(inputs))
-        return to_wire(dataclasses.replace(output, context=None)), to_wire(output.context)
+        with self._trace.call("prefill") as stamps:
+            return self._run_wired(self._target.prefill, inputs, stamps)
 
     @ray.method(num_returns=2)
     def verify_and_commit(self, inputs: Wired) -> tuple[Wired, Wired]:
         """`inputs`: a wired `VerifyInput` -> (wired `VerifyOutput` without context, wired context)."""
         self._check_serving()
-        output = self._target.verify_and_commit(from_wire(inputs))
-        return to_wire(dataclasses.replace(output, context=None)), to_wire(output.context)
+        with self._trace.call("verify_and_commit") as stamps:
+            return self._run_wired(self._target.verify_and_commit, inputs, stamps)
+
+    @staticmethod
+    def _run_wired(method: Any, inputs: Wired, stamps: CallStamps | None) -> tuple[Wired, Wired]:
+        unwired = from_wire(inputs)
+        mark(stamps, "unwire")
+        output = method(unwired)
+        mark(stamps, "model")
+        wired = to_wire(dataclasses.replace(output, context=None))
+        context = to_wire(output.context)
+        mark(stamps, "wire")
+        return wired, context
 
     def encode_context(self, inputs: Wired) -> Wired:
         """`inputs`: a wired `EncodeInput` -> the wired context (what a drafter's `draft` resolves)."""
@@ -142,20 +162,24 @@ class TargetWorker:
         if call is None:
             return None, None
         self._check_serving()
-        for slot in call.releases:
-            self._target.release(slot)
-        result: tuple[Wired, ContextDelivery | None] = (None, None)
-        if call.method is not None:
-            inputs = from_wire(call.inputs)
-            output = getattr(self._target, call.method)(inputs)
-            if call.method == "encode_context":
-                result = None, _delivery(inputs.slots, output)
-            else:
-                wants_context = call.method == "prefill" or inputs.return_context
-                context = _delivery(inputs.slots, output.context) if wants_context else None
-                result = to_wire(dataclasses.replace(output, context=None)), context
-        self._last_graph_call = (call.call_id, result[0])
-        return result
+        with self._trace.call(f"graph_call:{call.method}") as stamps:
+            for slot in call.releases:
+                self._target.release(slot)
+            result: tuple[Wired, ContextDelivery | None] = (None, None)
+            if call.method is not None:
+                inputs = from_wire(call.inputs)
+                mark(stamps, "unwire")
+                output = getattr(self._target, call.method)(inputs)
+                mark(stamps, "model")
+                if call.method == "encode_context":
+                    result = None, _delivery(inputs.slots, output)
+                else:
+                    wants_context = call.method == "prefill" or inputs.return_context
+                    context = _delivery(inputs.slots, output.context) if wants_context else None
+                    result = to_wire(dataclasses.replace(output, context=None)), context
+                mark(stamps, "wire")
+            self._last_graph_call = (call.call_id, result[0])
+            return result
 
     def replay_graph_call(self, call: TargetCall) -> Wired:
         """The output of `call` after its graph broke (a lost drafter): kept if it ran, else run now.
@@ -175,21 +199,38 @@ class DrafterWorker:
         self._drafter = build_drafter()
         # Compiled step graph only: each slot's features delivered since its last draft.
         self._delivered: dict[int, list[Any]] = {}
+        self._trace = CallTrace()
 
     def describe(self) -> dict[str, Any]:
         return {"block_size": self._drafter.block_size}
+
+    def trace_calls(self, enabled: bool) -> None:
+        """Stamp each step call's parts from now on (or stop); see `call_trace.py`."""
+        self._trace.enabled = enabled
+
+    def take_call_trace(self) -> list[CallStamps]:
+        return self._trace.take()
 
     def draft(self, inputs: Wired, *handles: Wired) -> Wired:
         """`inputs`: a wired `DraftInput` whose `ContextSlice.handle`s are positions in `handles`.
 
         `handles` are the target calls' context results, resolved by Ray from the ObjectRefs
         the coordinator passed (one per distinct producing call)."""
-        features = [from_wire(handle) for handle in handles]
-        draft_input: DraftInput = from_wire(inputs)
-        contexts = [
-            [ContextSlice(features[c.handle], c.index) for c in slices] for slices in draft_input.contexts
-        ]
-        return to_wire(self._drafter.draft(dataclasses.replace(draft_input, contexts=contexts)))
+        with self._trace.call("draft") as stamps:
+            features = [from_wire(handle) for handle in handles]
+            draft_input: DraftInput = from_wire(inputs)
+            contexts = [
+                [ContextSlice(features[c.handle], c.index) for c in slices] for slices in draft_input.contexts
+            ]
+            return self._draft_wired(dataclasses.replace(draft_input, contexts=contexts), stamps)
+
+    def _draft_wired(self, draft_input: DraftInput, stamps: CallStamps | None) -> Wired:
+        mark(stamps, "unwire")
+        output = self._drafter.draft(draft_input)
+        mark(stamps, "model")
+        wired = to_wire(output)
+        mark(stamps, "wire")
+        return wired
 
     def release(self, slot: int) -> None:
         self._drafter.release(slot)
@@ -205,16 +246,17 @@ class DrafterWorker:
             self.release(slot)
         if call.inputs is None:
             return None
-        draft_input: DraftInput = from_wire(call.inputs)
-        contexts = []
-        for slot, slices in zip(draft_input.slots, draft_input.contexts, strict=True):
-            features = self._delivered.pop(slot, [])
-            if len(features) != len(slices):
-                raise RuntimeError(
-                    f"slot {slot}: {len(features)} context deliveries for {len(slices)} pending slices"
-                )
-            contexts.append([ContextSlice(features, i) for i in range(len(features))])
-        return to_wire(self._drafter.draft(dataclasses.replace(draft_input, contexts=contexts)))
+        with self._trace.call("graph_draft") as stamps:
+            draft_input: DraftInput = from_wire(call.inputs)
+            contexts = []
+            for slot, slices in zip(draft_input.slots, draft_input.contexts, strict=True):
+                features = self._delivered.pop(slot, [])
+                if len(features) != len(slices):
+                    raise RuntimeError(
+                        f"slot {slot}: {len(features)} context deliveries for {len(slices)} pending slices"
+                    )
+                contexts.append([ContextSlice(features, i) for i in range(len(features))])
+            return self._draft_wired(dataclasses.replace(draft_input, contexts=contexts), stamps)
 
     def graph_take_context(self, delivery: ContextDelivery | None) -> int:
         """Keeps a target call's features per slot, in commit order; returns how many slots got some.
@@ -223,10 +265,12 @@ class DrafterWorker:
         the next execution while one is held: each tensor is copied out."""
         if delivery is None:
             return 0
-        features = from_wire(delivery.features, copy=True)
-        for slot, tensor in zip(delivery.slots, features, strict=True):
-            self._delivered.setdefault(slot, []).append(tensor)
-        return len(delivery.slots)
+        with self._trace.call("graph_take_context") as stamps:
+            features = from_wire(delivery.features, copy=True)
+            mark(stamps, "unwire")
+            for slot, tensor in zip(delivery.slots, features, strict=True):
+                self._delivered.setdefault(slot, []).append(tensor)
+            return len(delivery.slots)
 
 
 class DescribedTarget:

@@ -178,6 +178,30 @@ def _run_tracking(
         del engine.step
 
 
+def test_call_traces_split_each_call_inside_the_coordinators_window(served_engine: SpecEngine) -> None:
+    """The workers' stamps and the Coordinator's share one clock: every traced call starts and
+    returns inside the step that sent it, its parts in order."""
+    actors = (served_engine.target.actor, served_engine.drafter.actor)  # type: ignore[union-attr]
+    ray.get([actor.trace_calls.remote(True) for actor in actors])
+    served_engine.add_request("trace", PROMPTS[0], _greedy(12))
+    windows = []
+    while served_engine.has_unfinished_requests():
+        started = time.perf_counter()
+        served_engine.step()
+        windows.append((started, time.perf_counter()))
+    target_calls, drafter_calls = ray.get([actor.take_call_trace.remote() for actor in actors])
+    methods = {c.method for c in target_calls + drafter_calls}
+    graph_methods = {"graph_draft", "graph_call:verify_and_commit"}
+    assert graph_methods <= methods or {"draft", "verify_and_commit"} <= methods
+    for call in target_calls + drafter_calls:
+        stamps = [call.start_s] + [at for _, at in call.marks]
+        assert stamps == sorted(stamps)
+        assert call.marks[-1][0] == "return"
+        assert any(start <= call.start_s and stamps[-1] <= end for start, end in windows), call
+    ray.get([actor.trace_calls.remote(False) for actor in actors])
+    assert ray.get([actor.take_call_trace.remote() for actor in actors]) == [[], []]
+
+
 def test_a_killed_drafter_decodes_plainly_then_speculates_again(
     served_engine: SpecEngine, local_engine: SpecEngine
 ) -> None:
