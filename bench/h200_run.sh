@@ -5,7 +5,7 @@
 # serving stack into .gpu-wheels/site.tar.xz, which travels with the call (carry it). Each stage
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
-# graph overlap (default: nvidia budget hops serve).
+# graph chain overlap (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
 set -uo pipefail
@@ -33,12 +33,14 @@ for stage in "${STAGES[@]}"; do
       --max-tokens 64 --out-dir /tmp/budget --traces /tmp/budget/budget_traces_cuda.json
       cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png "$OUT/"
       xz -c /tmp/budget/budget_traces_cuda.json >"$OUT/budget_traces_cuda.json.xz" ;;
-    hops) run hops 200 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8 \
+    hops) run hops 240 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8 \
       --batch-sizes 1 16 64 --repeats 100 --chunks 100 --steps 20 --rounds 1 ;;
     serve) run serve 300 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
       --transport actor_calls compiled_graph --stream-batching-interval-ms 0 50 --concurrency 1 4 16 64 ;;
     graph) run graph 200 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
       --transport compiled_graph --stream-batching-interval-ms 0 50 --concurrency 1 4 16 64 ;;
+    chain) run chain 330 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --transport compiled_graph --chain-drafts off on --concurrency 1 4 16 64 ;;
     overlap) run overlap 420 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
       --transport actor_calls compiled_graph --overlap off on --concurrency 1 4 16 64 ;;
     budget256) run budget256 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \

@@ -20,7 +20,7 @@ load hits every configuration alike. For the serial transports it also splits ea
 into its parts from the workers' call traces (`serve/call_trace.py`) set beside the
 Coordinator's stamps (one clock for the host's processes): the hop to the worker, the worker's
 unwiring, its model work, its wiring (which waits for the device), and the hop back (for the
-compiled graph's verify, the drafter taking the features is part of the hop back).
+chained compiled graph's verify, the drafter's chained draft is part of the hop back).
 
     python bench/hop_breakdown.py --batch-sizes 1 4 16 --repeats 200
     python bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8   # on the GPU machine
@@ -151,7 +151,8 @@ class GraphEchoTarget:
 
 
 class _CallStamper:
-    """Wraps the engine's target/drafter adapter: (start, end) seconds of each draft/verify call."""
+    """Wraps the engine's target/drafter adapter: (start, end) seconds of each draft/verify call
+    (a chained verify's: from its submission to its verdict)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -159,6 +160,14 @@ class _CallStamper:
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self.inner, name)
+        if name == "submit_verify_then_draft":
+
+            def submitted(inputs: Any, top_k: int) -> Any:
+                start = time.perf_counter()
+                verdict, draft = attribute(inputs, top_k)
+                return _StampedPending(verdict, start, self.calls["verify_and_commit"]), draft
+
+            return submitted
         if name not in self.calls:
             return attribute
 
@@ -169,6 +178,18 @@ class _CallStamper:
             return output
 
         return stamped
+
+
+class _StampedPending:
+    """A submitted call whose `result()` appends (submission, result) seconds to `calls`."""
+
+    def __init__(self, pending: Any, start: float, calls: list[tuple[float, float]]) -> None:
+        self._pending, self._start, self._calls = pending, start, calls
+
+    def result(self) -> Any:
+        value = self._pending.result()
+        self._calls.append((self._start, time.perf_counter()))
+        return value
 
 
 # The worker-side methods of each seam call (actor calls, compiled graph).
@@ -193,8 +214,8 @@ def call_parts_ms(
                 previous = at
         returned = stamps.marks[-1][1]
         if after is not None and index < len(after):
-            features_s = after[index].marks[-1][1] - after[index].start_s
-            parts.setdefault("drafter takes features (in hop back)", []).append(features_s)
+            chained_s = after[index].marks[-1][1] - after[index].start_s
+            parts.setdefault("chained draft (in hop back)", []).append(chained_s)
         parts.setdefault("hop back", []).append(end - returned)
         parts.setdefault("call", []).append(end - start)
     return {part: 1e3 * statistics.median(values) for part, values in parts.items()}
@@ -352,17 +373,19 @@ def engine_step_table(
     )
     settings = engine_config.to_settings()
     tokenizer = load_tokenizer(target_dir(engine_config))
+    # (name, placement, compiled graph, overlap, chained drafts)
     configurations = [
-        ("in_process", "in_process", False, False),
-        ("actor_calls", "actors", False, False),
-        ("actor_calls+overlap", "actors", False, True),
-        ("compiled_graph", "actors", True, False),
-        ("compiled_graph+overlap", "actors", True, True),
+        ("in_process", "in_process", False, False, False),
+        ("actor_calls", "actors", False, False, False),
+        ("actor_calls+overlap", "actors", False, True, False),
+        ("compiled_graph", "actors", True, False, False),
+        ("compiled_graph+chained", "actors", True, False, True),
+        ("compiled_graph+overlap", "actors", True, True, False),
     ]
     workers = {}
     # On one GPU every configuration's drafter and target share it (a tenth each).
     small = {"num_cpus": 0.1, "num_gpus": 0.1 if device.startswith("cuda") else 0.0}
-    for name, placement, _, _ in configurations:
+    for name, placement, *_ in configurations:
         config = ServeConfig(
             engine=engine_config,
             placement={"workers": placement, "drafter": small, "target": small},  # type: ignore[arg-type]
@@ -373,7 +396,7 @@ def engine_step_table(
     stage_ms: dict[str, dict[str, float]] = {name: {} for name, *_ in configurations}
     parts_ms: dict[str, dict[str, float]] = {}
     for round_index in range(rounds):
-        for name, placement, compiled, overlap in configurations:
+        for name, placement, compiled, overlap, chained in configurations:
             target, drafter = workers[name]
             if compiled:
                 target, drafter = graph_workers(target, drafter)  # type: ignore[arg-type]
@@ -381,7 +404,7 @@ def engine_step_table(
             if traced:
                 ray.get([w.actor.trace_calls.remote(True) for w in (target, drafter)])  # type: ignore[union-attr]
                 target, drafter = _CallStamper(target), _CallStamper(drafter)  # type: ignore[assignment]
-            engine = SpecEngine(settings, target, drafter, tokenizer, overlap=overlap)
+            engine = SpecEngine(settings, target, drafter, tokenizer, overlap=overlap, chain_drafts=chained)
             for i in range(batch_size):
                 engine.add_request(f"{round_index}-{i}", PROMPTS[i % len(PROMPTS)], params)
             engine.step()  # prefill + first step out of the figure
@@ -396,14 +419,14 @@ def engine_step_table(
                 own_drafts = list(drafter.calls["draft"])  # type: ignore[union-attr]
                 own_verifies = list(target.calls["verify_and_commit"])  # type: ignore[union-attr]
                 target_calls, drafter_calls = _take_traces(target, drafter)
-                taken = [c for c in drafter_calls if c.method == "graph_take_context"]
+                chained_drafts = [c for c in drafter_calls if c.method == "graph_chained_draft"]
                 draft_parts = call_parts_ms(
                     own_drafts, [c for c in drafter_calls if c.method in _DRAFT_METHODS]
                 )
                 verify_parts = call_parts_ms(
                     own_verifies,
                     [c for c in target_calls if c.method in _VERIFY_METHODS],
-                    taken if compiled else None,
+                    chained_drafts if chained else None,
                 )
                 for seam, seam_parts in (("draft", draft_parts), ("verify", verify_parts)):
                     for part, ms in seam_parts.items():

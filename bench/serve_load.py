@@ -12,9 +12,9 @@ and the served / in-process throughput ratio.
     python bench/serve_load.py --transport actor_calls compiled_graph --overlap off on
     python bench/serve_load.py --stream-batching-interval-ms 0 50
 
-Each (transport, overlap, stream interval) is its own application (speculation group) under its own route
-prefix and gRPC application name, deployed in turn on the one cluster; `--repeats` sweeps
-interleave them, with the in-process engine measured next to each.
+Each (transport, overlap, chained drafts, stream interval) is its own application (speculation
+group) under its own route prefix and gRPC application name, deployed in turn on the one
+cluster; `--repeats` sweeps interleave them, with the in-process engine measured next to each.
 
 Every request uses greedy decoding with `ignore_eos`, so all of them generate exactly
 `--max-tokens` tokens and the three paths do the same work. On a small CPU machine the Ray
@@ -258,8 +258,10 @@ def stop_application(ray_dir: str) -> None:
     shutil.rmtree(ray_dir, ignore_errors=True)
 
 
-def _app_name(transport: str, overlap: bool, interval_ms: float) -> str:
+def _app_name(transport: str, overlap: bool, chained: bool, interval_ms: float) -> str:
     name = f"{transport}-{'overlap' if overlap else 'serial'}"
+    if chained and transport == "compiled_graph" and not overlap:
+        name += "-chained"
     return f"{name}-{interval_ms:g}ms" if interval_ms else name
 
 
@@ -303,6 +305,13 @@ def main() -> None:
         "--overlap", nargs="+", default=["off"], choices=["off", "on"], help="placement.overlap values."
     )
     parser.add_argument(
+        "--chain-drafts",
+        nargs="+",
+        default=["on"],
+        choices=["off", "on"],
+        help="placement.chain_drafts values (compiled graph, serial: next draft in the verify's execution).",
+    )
+    parser.add_argument(
         "--stream-batching-interval-ms",
         type=float,
         nargs="+",
@@ -324,18 +333,26 @@ def main() -> None:
     )
     # On one GPU the group's drafter and target actors share it (half each); on CPU they reserve none.
     intervals = args.stream_batching_interval_ms
-    combos = [(t, o == "on", i) for t in args.transport for o in args.overlap for i in intervals]
+    combos = [
+        (t, o == "on", c == "on", i)
+        for t in args.transport
+        for o in args.overlap
+        for c in args.chain_drafts
+        for i in intervals
+        if c == "on" or (t == "compiled_graph" and o == "off")  # chaining changes nothing elsewhere
+    ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": _free_port()}, "grpc": {"port": _free_port()}}
     configs = [
         ServeConfig(
-            app_name=_app_name(transport, overlap, interval),
+            app_name=_app_name(transport, overlap, chained, interval),
             engine=engine_config,
             observability={"metrics": False},  # type: ignore[arg-type]
             placement={  # type: ignore[arg-type]
                 "workers": args.workers,
                 "transport": transport,
                 "overlap": overlap,
+                "chain_drafts": chained,
                 "coordinator": {"num_cpus": 0.1},
                 "drafter": {"num_cpus": 0.1, "num_gpus": gpu_share},
                 "target": {"num_cpus": 0.1, "num_gpus": gpu_share},
@@ -344,7 +361,7 @@ def main() -> None:
             stream_batching_interval_ms=interval,
             **ports,  # type: ignore[arg-type]
         )
-        for transport, overlap, interval in combos
+        for transport, overlap, chained, interval in combos
     ]
     ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
     start_cluster(configs[0], ray_dir)

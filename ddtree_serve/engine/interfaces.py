@@ -33,6 +33,12 @@ Transports that can run the two actors at once also implement `PipelinedTarget` 
 engine's overlapped step (`SpecEngine(overlap=True)`) has the target verify one micro-batch
 while the drafter drafts the other; in process the blocking calls stand in (`Ready`).
 
+A transport that reaches both actors in one round trip may also implement `DraftChainingTarget`:
+`submit_verify_then_draft` verifies, and then the drafter drafts every verified request's next
+block from the verdict's bonus tokens and features, before anything returns to the engine. The
+serial step then costs one round trip instead of two (the engine keeps the chained draft for the
+next step, as the overlapped step keeps its carried one).
+
 When a model is lost the call raises: `DrafterUnavailableError` (the engine decodes plainly and
 later rebuilds the drafter's context with `Target.encode_context`) or `TargetUnavailableError`
 (the KV caches are gone: every running request ends).
@@ -294,4 +300,21 @@ class PipelinedDrafter(Protocol):
 
     def submit_draft(self, inputs: DraftInput) -> Pending[DraftOutput]:
         """Start `draft(inputs)`; calls run in submission order."""
+        ...
+
+
+@runtime_checkable
+class DraftChainingTarget(Protocol):
+    """A `Target` whose verify can hand its results straight to the drafter for the next draft."""
+
+    def submit_verify_then_draft(
+        self, inputs: VerifyInput, top_k: int
+    ) -> tuple[Pending[VerifyOutput], Pending[DraftOutput]]:
+        """Start `verify_and_commit(inputs)`, then a draft of the same slots from its results.
+
+        The draft takes each slot's bonus token from the verdict and, as its one new context
+        slice, the verdict's features (so each slot must have no undrafted context before the
+        call; `inputs.return_context` must be True). The verdict comes back without a context:
+        the drafter has it. A lost drafter shows in the draft's `result()` only.
+        """
         ...

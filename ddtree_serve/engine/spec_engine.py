@@ -11,6 +11,11 @@ and how many of each request's best-first nodes to verify (a prefix of the tree 
 ceiling); a step that does not draft verifies root-only trees, and the drafter later takes
 every context slice it missed.
 
+Over a transport that chains a draft to a verify (`DraftChainingTarget`: the compiled step
+graph), the serial step with a fixed budget hands each verify the next draft of its requests,
+which the drafter runs from the verdict before the step returns: the next step starts with its
+draft done (newcomers draft on their own), and a step costs one round trip to the actors.
+
 A lost drafter (`DrafterUnavailableError`) costs speed only: the loop goes on as in mode "ar"
 until the drafter is available again, then the target re-encodes every running request's
 cached text into a whole new context for it (`_restore_drafter`), and speculation resumes.
@@ -36,6 +41,7 @@ from ddtree_serve.engine.budget import (
 from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
 from ddtree_serve.engine.interfaces import (
     ContextSlice,
+    DraftChainingTarget,
     Drafter,
     DrafterUnavailableError,
     DraftInput,
@@ -85,13 +91,16 @@ class SpecEngine:
         tree_builder: TreeBuilder | None = None,
         overlap: bool = False,
         budget_policy: AdaptiveBudget | None = None,
+        chain_drafts: bool = True,
     ) -> None:
         """`tree_builder`: where the build stage runs (default: the host; `TreeBuilder("device")`
         builds where the draft lies). `overlap`: two micro-batches in flight (`_overlapped_step`),
         for a target and a drafter that run at the same time (`PipelinedTarget` /
         `PipelinedDrafter`); over blocking seams it only reorders the same calls.
         `budget_policy`: the adaptive policy of an engine this one replaces over the same workers
-        (its measured costs and calibration carry over); None = calibrate anew."""
+        (its measured costs and calibration carry over); None = calibrate anew. `chain_drafts`:
+        chain each serial step's next draft to its verify where the target can
+        (`DraftChainingTarget`, fixed budget, no overlap); False: two calls a step."""
         if settings.mode != "ar" and drafter is None:
             raise ValueError(f"mode {settings.mode!r} needs a drafter")
         self.settings = settings
@@ -134,7 +143,15 @@ class SpecEngine:
         if overlap and (self.drafter is None or self.budget_policy is not None):
             raise ValueError("overlap needs a drafter and the fixed budget policy")
         self.overlap = overlap
-        # Overlap: the draft in flight for the next step's first micro-batch (None: none yet).
+        self.chains_drafts = (
+            chain_drafts
+            and isinstance(target, DraftChainingTarget)
+            and self.drafter is not None
+            and self.budget_policy is None
+            and not overlap
+        )
+        # The draft in flight for the next step: overlap's first micro-batch, or the draft chained
+        # to the last serial verify (None: none yet).
         self._carried: _CarriedDraft | None = None
 
     def _adaptive_budget(self) -> AdaptiveBudget:
@@ -230,9 +247,8 @@ class SpecEngine:
         if running and self.overlap and self._drafter_in_sync:
             self._overlapped_step(running)
         elif running:
-            self._carried = None  # a lost drafter: its restore hands every request a new context
             with self.timer.stage(Stage.DRAFT):
-                draft = self._draft(running)
+                running, draft = self._serial_draft(running)
             with self.timer.stage(Stage.BUILD):
                 trees = self._build(running, draft)
             with self.timer.stage(Stage.VERIFY):
@@ -256,6 +272,22 @@ class SpecEngine:
             request.bonus_token = first_tokens[i]
             request.pending_contexts = [ContextSlice(output.context, i)]
             self.stop_checker.append(request, [first_tokens[i]], self._max_output_tokens(request))
+
+    def _serial_draft(self, running: list[Request]) -> tuple[list[Request], DraftOutput | None]:
+        """The serial step's requests (the chained draft's first) and their draft.
+
+        With a draft chained to the last verify, its requests still running take their rows of
+        it and the rest (newcomers) draft in one call of their own at the same fixed K."""
+        if self._carried is None or not self.chains_drafts:
+            self._carried = None  # overlap's, after a lost drafter: the restore hands new contexts
+            return running, self._draft(running)
+        first, draft = self._take_carried(running)
+        in_first = {id(r) for r in first}
+        rest = [r for r in running if id(r) not in in_first]
+        if rest and self._drafter_in_sync:  # else lost with the chained draft: draft is None
+            extra = self._await_draft(rest, self._submit_draft(rest))
+            draft = None if draft is None and first else _cat_drafts(draft, extra)
+        return [*first, *rest], draft
 
     def _draft(self, requests: list[Request]) -> DraftOutput | None:
         """One drafter call for the batch; K is the largest any request's tree can use.
@@ -361,15 +393,16 @@ class SpecEngine:
         if carried is None:
             return [], None
         draft = self._await_draft(carried.requests, carried.pending)
-        running_ids = {r.request_id for r in running}
-        rows = [i for i, r in enumerate(carried.requests) if r.request_id in running_ids]
+        # By identity: a finished request's id may come back as a new request.
+        running_ids = {id(r) for r in running}
+        rows = [i for i, r in enumerate(carried.requests) if id(r) in running_ids]
         requests = [carried.requests[i] for i in rows]
         return requests, None if draft is None or not rows else _draft_rows(draft, rows)
 
     def _submit_draft(self, requests: list[Request]) -> Pending[DraftOutput | None]:
         """Submit one draft call at the engine's fixed K; the requests' contexts go with it."""
         assert self.drafter is not None
-        top_k = 1 if self.settings.mode == "chain" else min(self.settings.budget, self.vocab_size)
+        top_k = self._fixed_top_k()
         bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
         contexts = [tuple(r.pending_contexts) for r in requests]
         assert all(contexts), "every running request has undrafted context"
@@ -475,9 +508,21 @@ class SpecEngine:
         policy.record_build_ms(1000.0 * (time.perf_counter() - started))
         return batch
 
+    def _fixed_top_k(self) -> int:
+        """K of the drafts that are joined across calls (overlap, chained): one shape for all."""
+        return 1 if self.settings.mode == "chain" else min(self.settings.budget, self.vocab_size)
+
     def _verify(self, requests: list[Request], trees: BuiltTrees) -> VerifyOutput:
-        """One target call: forward over every tree, accept a path, commit its KV."""
+        """One target call: forward over every tree, accept a path, commit its KV (and, chained,
+        the requests' next draft, kept for the next step)."""
         inputs = self._verify_input(requests, trees)
+        if self.chains_drafts and inputs.return_context:
+            assert isinstance(self.target, DraftChainingTarget)
+            assert not any(r.pending_contexts for r in requests), "the verify's context is the only new one"
+            pending_verdict, pending_draft = self.target.submit_verify_then_draft(inputs, self._fixed_top_k())
+            verdict = pending_verdict.result()
+            self._carried = _CarriedDraft(list(requests), pending_draft)
+            return verdict
         started = time.perf_counter()
         verdict = self.target.verify_and_commit(inputs)
         if self.budget_policy is not None:
@@ -596,7 +641,8 @@ class SpecEngine:
 
 @dataclass(frozen=True)
 class _CarriedDraft:
-    """Overlap: a draft submitted for the next step's first micro-batch (rows follow `requests`)."""
+    """A draft submitted for the next step (overlap's first micro-batch, or chained to the last
+    serial verify); its rows follow `requests`."""
 
     requests: list[Request]
     pending: Pending[DraftOutput | None]

@@ -7,13 +7,17 @@ actors and then moves each execution's inputs and outputs through shared-memory 
 
     step[0] -> drafter.graph_draft ---------------------------------> draft output
     step[1] -> target.graph_call -> output ------------------------> verify/prefill output
-                                 -> context -> drafter.graph_take_context
+                                 -> context -> drafter.graph_take_context -> chained draft output
+    step[2] ---------------------------------------^
 
 so the target's features reach the drafter inside the graph and the Coordinator holds only a
 `GraphContext` marker. An execution carries a drafter call, a target call, or both: the
 overlapped step pairs the draft of one micro-batch with the verify of the other, which the two
-actors run at the same time. Ray 2.60 allows an actor in one compiled graph only, hence one
-graph for all of it; released slots travel with the next execution (`graph_calls.py`).
+actors run at the same time; the serial step pairs its verify with the chained draft of the
+same requests' next block (step[2]), which the drafter runs as soon as it has the verdict's bonus
+tokens and features, so a serial step is one execution (one round trip) instead of two.
+Ray 2.60 allows an actor in one compiled graph only, hence one graph for all of it; released
+slots travel with the next execution (`graph_calls.py`).
 
 Faults: a dead drafter breaks the graph. It is torn down (the actors live on), the target's
 call of the broken execution is replayed from the target's last result (or run, if it never
@@ -29,11 +33,13 @@ import logging
 from typing import Any, Generic, TypeVar
 
 import ray
+import torch
 from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import RayActorError, RayChannelError
 
 from ddtree_serve.engine.interfaces import (
     ContextHandle,
+    ContextSlice,
     DrafterUnavailableError,
     DraftInput,
     DraftOutput,
@@ -64,11 +70,14 @@ class _Execution:
 
     draft: DrafterCall | None = None
     target: TargetCall | None = None
+    chained: DrafterCall | None = None  # a draft after the target's verify, from its results
     done: bool = False
     draft_result: Any = None  # unwired
     target_result: Any = None
+    chained_result: Any = None
     draft_error: Exception | None = None
     target_error: Exception | None = None
+    chained_error: Exception | None = None
 
 
 class _GraphPending(Generic[ResultT]):
@@ -116,8 +125,8 @@ class StepGraph:
         with InputNode() as step:
             draft = drafter.graph_draft.bind(step[0])
             output, context = target.graph_call.options(num_returns=2).bind(step[1])
-            taken = drafter.graph_take_context.bind(context)
-            dag = MultiOutputNode([draft, output, taken])
+            chained = drafter.graph_take_context.bind(context, step[2])
+            dag = MultiOutputNode([draft, output, chained])
         self._graph = dag.experimental_compile()
 
     def recompile(self) -> None:
@@ -154,6 +163,24 @@ class StepGraph:
         self._open.target = TargetCall(next(self._call_ids), (), method, to_wire(inputs))
         return _GraphPending(self, self._open, "target", finish)
 
+    def submit_verify_then_draft(
+        self, inputs: VerifyInput, top_k: int, finish: Any
+    ) -> tuple[Pending[VerifyOutput], Pending[DraftOutput]]:
+        """The verify and the chained draft of its slots, in one execution (see the module doc)."""
+        if self._open.target is not None:
+            self.flush()
+        self._open.target = TargetCall(next(self._call_ids), (), "verify_and_commit", to_wire(inputs))
+        # The drafter takes each slot's roots from the verdict and its one new context slice from
+        # the delivery: the bonus tokens here only give the call its shape.
+        slots = list(inputs.slots)
+        contexts = [(ContextSlice(GraphContext(0), 0),) for _ in slots]
+        draft = DraftInput(slots, torch.zeros(len(slots), dtype=torch.int64), contexts, top_k)
+        self._open.chained = DrafterCall((), to_wire(draft))
+        execution = self._open
+        return _GraphPending(self, execution, "target", finish), _GraphPending(
+            self, execution, "chained", lambda output: output
+        )
+
     def submit_draft(self, inputs: DraftInput) -> Pending[DraftOutput]:
         if self._open.draft is not None:
             self.flush()
@@ -188,12 +215,14 @@ class StepGraph:
     def _run_compiled(self, execution: _Execution) -> None:
         try:
             # A graph whose actor died may already refuse the write (its channel closed).
-            draft_ref, target_ref, taken_ref = self._graph.execute(execution.draft, execution.target)
+            draft_ref, target_ref, chained_ref = self._graph.execute(
+                execution.draft, execution.target, execution.chained
+            )
             # Channel values are views of the channel's buffer, which the next execution cannot
             # write while one lives (a carried draft outlives a step): copied out at once.
             execution.draft_result = from_wire(draft_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
             execution.target_result = from_wire(target_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
-            taken_ref.get(timeout=_GET_TIMEOUT_S)
+            execution.chained_result = from_wire(chained_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
         except _LOST as error:
             self._break(execution, error)
         except TargetRestartedError as error:  # compiled over a target that restarted since
@@ -205,15 +234,19 @@ class StepGraph:
         _teardown(self._graph)
         self._graph = None
         self._drafter_releases.clear()
-        execution.draft_result = None
+        execution.draft_result = execution.chained_result = None
         execution.draft_error = DrafterUnavailableError(f"the drafter left the step graph ({error!r})")
+        execution.chained_error = execution.draft_error
         if execution.target is not None:
             self._run_plain_target(execution, replay=True)
 
     def _run_plain(self, execution: _Execution) -> None:
         """While the drafter is lost: the target's call as a plain actor call, no draft."""
+        lost = DrafterUnavailableError("the drafter is lost; the graph waits for it")
         if execution.draft is not None and execution.draft.inputs is not None:
-            execution.draft_error = DrafterUnavailableError("the drafter is lost; the graph waits for it")
+            execution.draft_error = lost
+        if execution.chained is not None:
+            execution.chained_error = lost
         if execution.target is not None:
             self._run_plain_target(execution, replay=False)
 
@@ -228,7 +261,8 @@ class StepGraph:
 
 
 class GraphTarget:
-    """`Target` (and `PipelinedTarget`) over the step graph; metadata from the `RayTarget`."""
+    """`Target` (and `PipelinedTarget`, `DraftChainingTarget`) over the step graph; metadata from
+    the `RayTarget`."""
 
     def __init__(self, graph: StepGraph, target: RayTarget) -> None:
         self._graph = graph
@@ -271,6 +305,16 @@ class GraphTarget:
         context = GraphContext(0) if inputs.return_context else None
         return self._graph.submit_target(
             "verify_and_commit", inputs, lambda output: dataclasses.replace(output, context=context)
+        )
+
+    def submit_verify_then_draft(
+        self, inputs: VerifyInput, top_k: int
+    ) -> tuple[Pending[VerifyOutput], Pending[DraftOutput]]:
+        """`DraftChainingTarget`: the verdict's features went to the drafter's chained draft."""
+        if not inputs.return_context:
+            raise ValueError("a chained draft needs the verify's context")
+        return self._graph.submit_verify_then_draft(
+            inputs, top_k, lambda output: dataclasses.replace(output, context=None)
         )
 
     def encode_context(self, inputs: EncodeInput) -> ContextHandle:

@@ -97,6 +97,13 @@ class PlacementConfig(_Strict):
         "actors have their own devices). Same tokens as without; needs workers 'actors', a "
         "drafter and the fixed budget policy.",
     )
+    chain_drafts: bool = Field(
+        default=True,
+        description="Under transport 'compiled_graph' without overlap and with the fixed budget "
+        "policy: each verify execution also runs the drafter's next draft of the same requests "
+        "from the verdict (bonus tokens and features stay inside the graph), so a step is one "
+        "round trip to the actors instead of two. Same tokens as without; ignored elsewhere.",
+    )
     target_max_restarts: int = Field(
         default=3,
         ge=0,

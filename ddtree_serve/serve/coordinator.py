@@ -148,6 +148,7 @@ class Coordinator:
             observer=observe,
             overlap=config.placement.overlap,
             budget_policy=budget_policy,
+            chain_drafts=config.placement.chain_drafts,
         )
         llm = AsyncLLM(engine)
         telemetry.start_load_gauges(llm)

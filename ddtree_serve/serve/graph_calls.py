@@ -6,7 +6,9 @@ micro-batch with the verify of the other), each after the slots released since t
 execution: releases travel with the next call instead of as calls of their own, and stay in
 order with the graph's calls (Ray orders a caller's actor calls, not a graph's channels).
 The target's context features reach the drafter inside the graph as a `ContextDelivery`; the
-engine only ever holds a `GraphContext` marker.
+engine only ever holds a `GraphContext` marker. An execution may also carry a chained draft: a
+`DrafterCall` that the drafter runs right after taking a verify's delivery, with the verdict's
+bonus tokens as its roots (the serial step's next draft, in the same round trip).
 """
 
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ class ContextDelivery:
 
     slots: tuple[int, ...]
     features: Any  # wired list of [n_i, F] tensors
+    # a verify's bonus token per slot (the next root): what a chained draft drafts after
+    bonus_tokens: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import ray
+import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from ddtree_serve.engine.interfaces import (
@@ -175,7 +176,8 @@ class TargetWorker:
                     result = None, _delivery(inputs.slots, output)
                 else:
                     wants_context = call.method == "prefill" or inputs.return_context
-                    context = _delivery(inputs.slots, output.context) if wants_context else None
+                    bonus = output.bonus_token.tolist() if call.method == "verify_and_commit" else None
+                    context = _delivery(inputs.slots, output.context, bonus) if wants_context else None
                     result = to_wire(dataclasses.replace(output, context=None)), context
                 mark(stamps, "wire")
             self._last_graph_call = (call.call_id, result[0])
@@ -247,30 +249,42 @@ class DrafterWorker:
         if call.inputs is None:
             return None
         with self._trace.call("graph_draft") as stamps:
-            draft_input: DraftInput = from_wire(call.inputs)
-            contexts = []
-            for slot, slices in zip(draft_input.slots, draft_input.contexts, strict=True):
-                features = self._delivered.pop(slot, [])
-                if len(features) != len(slices):
-                    raise RuntimeError(
-                        f"slot {slot}: {len(features)} context deliveries for {len(slices)} pending slices"
-                    )
-                contexts.append([ContextSlice(features, i) for i in range(len(features))])
-            return self._draft_wired(dataclasses.replace(draft_input, contexts=contexts), stamps)
+            return self._draft_delivered(from_wire(call.inputs), stamps)
 
-    def graph_take_context(self, delivery: ContextDelivery | None) -> int:
-        """Keeps a target call's features per slot, in commit order; returns how many slots got some.
+    def graph_take_context(self, delivery: ContextDelivery | None, chained: DrafterCall | None) -> Wired:
+        """Keeps a target call's features per slot, in commit order; then runs the chained draft,
+        if any, from the delivered verdict's bonus tokens (else returns None).
 
         Values read from a graph channel are views of its buffer, and the target cannot write
         the next execution while one is held: each tensor is copied out."""
-        if delivery is None:
-            return 0
-        with self._trace.call("graph_take_context") as stamps:
+        if delivery is not None:
             features = from_wire(delivery.features, copy=True)
-            mark(stamps, "unwire")
             for slot, tensor in zip(delivery.slots, features, strict=True):
                 self._delivered.setdefault(slot, []).append(tensor)
-            return len(delivery.slots)
+        if chained is None:
+            return None
+        with self._trace.call("graph_chained_draft") as stamps:
+            draft_input: DraftInput = from_wire(chained.inputs)
+            if (
+                delivery is None
+                or delivery.bonus_tokens is None
+                or delivery.slots != tuple(draft_input.slots)
+            ):
+                raise RuntimeError("a chained draft follows the verify of its own slots")
+            bonus_tokens = torch.tensor(delivery.bonus_tokens, dtype=torch.int64)
+            return self._draft_delivered(dataclasses.replace(draft_input, bonus_tokens=bonus_tokens), stamps)
+
+    def _draft_delivered(self, draft_input: DraftInput, stamps: CallStamps | None) -> Wired:
+        """`draft_input`'s draft from each slot's delivered features (its slices only count them)."""
+        contexts = []
+        for slot, slices in zip(draft_input.slots, draft_input.contexts, strict=True):
+            features = self._delivered.pop(slot, [])
+            if len(features) != len(slices):
+                raise RuntimeError(
+                    f"slot {slot}: {len(features)} context deliveries for {len(slices)} pending slices"
+                )
+            contexts.append([ContextSlice(features, i) for i in range(len(features))])
+        return self._draft_wired(dataclasses.replace(draft_input, contexts=contexts), stamps)
 
 
 class DescribedTarget:
@@ -445,8 +459,10 @@ def _describe_restarted(actor: Any) -> dict[str, Any]:
             time.sleep(_RESTART_POLL_S)
 
 
-def _delivery(slots: Any, context: ContextHandle) -> ContextDelivery:
-    return ContextDelivery(tuple(slots), to_wire(list(context)))
+def _delivery(slots: Any, context: ContextHandle, bonus_tokens: list[int] | None = None) -> ContextDelivery:
+    return ContextDelivery(
+        tuple(slots), to_wire(list(context)), None if bonus_tokens is None else tuple(bonus_tokens)
+    )
 
 
 def _drafter_lost(error: Exception) -> DrafterUnavailableError:
