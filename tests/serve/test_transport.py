@@ -3,12 +3,14 @@
 Every configuration drives one `SpecEngine` over real `TargetWorker` / `DrafterWorker` actors
 on the bundled pair and must give the in-process engine's tokens exactly: greedy requests
 joining and leaving a mixed batch, streams cancelled in either micro-batch, and seeded sampling
-whichever micro-batch a request lands in.
+whichever micro-batch a request lands in. The compiled graph without overlap chains each
+step's next draft to its verify (one execution a step), so the same tests cover that path.
 """
 
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +58,7 @@ def served_engine(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator
     engine = SpecEngine(
         ENGINE.to_settings(), target, drafter, load_tokenizer(target_dir(ENGINE)), overlap=overlap
     )
+    assert engine.chains_drafts == (transport == "compiled_graph" and not overlap)
     yield engine
     if isinstance(target, GraphTarget):
         target.close()
@@ -193,6 +196,10 @@ def test_call_traces_split_each_call_inside_the_coordinators_window(served_engin
     methods = {c.method for c in target_calls + drafter_calls}
     graph_methods = {"graph_draft", "graph_call:verify_and_commit"}
     assert graph_methods <= methods or {"draft", "verify_and_commit"} <= methods
+    if served_engine.chains_drafts:  # one execution a step: each verify drafts the next block
+        counts = Counter(c.method for c in target_calls + drafter_calls)
+        assert counts["graph_draft"] == 1  # the newcomer's first draft, after its prefill
+        assert counts["graph_chained_draft"] == counts["graph_call:verify_and_commit"] > 2
     for call in target_calls + drafter_calls:
         stamps = [call.start_s] + [at for _, at in call.marks]
         assert stamps == sorted(stamps)
