@@ -131,7 +131,8 @@ class DFlashDrafter:
         positions = torch.tensor(new_positions, dtype=torch.int64)
         if self.graphs is None or not self.graphs.append_context(new_context_features, slot_rows, positions):
             device = self.device
-            features = torch.cat([f.to(device=device, dtype=self.dtype) for f in new_context_features])
+            # Joined where they lie, then one copy (host features: one host -> device copy).
+            features = torch.cat(list(new_context_features)).to(device=device, dtype=self.dtype)
             slot_rows, positions = slot_rows.to(device), positions.to(device)
             append_context_forward(self.model, self.cache, features, slot_rows, positions)
         self.cache.append(slots, counts)

@@ -141,7 +141,7 @@ class DrafterGraphs:
             pad_positions = torch.arange(padding, dtype=torch.int64) % self.cache.max_seq_len
             host = torch.stack([torch.cat([slot_rows, pad_rows]), torch.cat([positions, pad_positions])])
             inputs.rows_and_positions.copy_(host, non_blocking=True)
-            inputs.features[:num_tokens] = torch.cat([f.to(self.device) for f in features])
+            inputs.features[:num_tokens] = torch.cat(list(features)).to(self.device)  # one copy
 
         self.append.run(padded, fill)
         return True

@@ -38,7 +38,7 @@ class ContextDelivery:
     """Features of one target call for the drafter: entry i belongs to slot `slots[i]`."""
 
     slots: tuple[int, ...]
-    features: Any  # wired list of [n_i, F] tensors
+    features: Any  # wired `PackedFeatures`: entry i is [n_i, F]
     # a verify's bonus token per slot (the next root): what a chained draft drafts after
     bonus_tokens: tuple[int, ...] | None = None
 

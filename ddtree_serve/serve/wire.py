@@ -50,6 +50,30 @@ def from_wire(value: Any, copy: bool = False) -> Any:
     return _map(value, lambda item: from_wire(item, copy))
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedFeatures:
+    """A call's per-request context features as one host tensor: how a context crosses actors.
+
+    One device -> host copy for the whole batch (not one synchronizing copy per request), one
+    array on the wire, and one host -> device copy on the drafter's side: at batch 64 the
+    per-request copies were most of what a served step's extra time grew with."""
+
+    joined: torch.Tensor  # [sum of n_i, F] on the host
+    lengths: tuple[int, ...]  # n_i: request i's rows
+
+    def unpack(self) -> list[torch.Tensor]:
+        """Request i's features `[n_i, F]`, views of `joined`."""
+        return list(self.joined.split(self.lengths))
+
+
+def pack_features(features: Any) -> PackedFeatures:
+    """`features` (a sequence of `[n_i, F]` tensors, on one device) joined and moved to the host."""
+    tensors = list(features)
+    if not tensors:
+        return PackedFeatures(torch.empty(0, 0), ())
+    return PackedFeatures(torch.cat(tensors).cpu(), tuple(int(t.shape[0]) for t in tensors))
+
+
 def _map(value: Any, convert: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(convert(item) for item in value)

@@ -54,7 +54,7 @@ from ddtree_serve.engine.interfaces import (
 )
 from ddtree_serve.serve.call_trace import CallStamps, CallTrace, mark
 from ddtree_serve.serve.graph_calls import ContextDelivery, DrafterCall, TargetCall
-from ddtree_serve.serve.wire import from_wire, to_wire
+from ddtree_serve.serve.wire import from_wire, pack_features, to_wire
 
 TargetFactory = Callable[[], Target]
 DrafterFactory = Callable[[], Drafter]
@@ -137,14 +137,14 @@ class TargetWorker:
         output = method(unwired)
         mark(stamps, "model")
         wired = to_wire(dataclasses.replace(output, context=None))
-        context = to_wire(output.context)
+        context = None if output.context is None else to_wire(pack_features(output.context))
         mark(stamps, "wire")
         return wired, context
 
     def encode_context(self, inputs: Wired) -> Wired:
         """`inputs`: a wired `EncodeInput` -> the wired context (what a drafter's `draft` resolves)."""
         self._check_serving()
-        return to_wire(self._target.encode_context(from_wire(inputs)))
+        return to_wire(pack_features(self._target.encode_context(from_wire(inputs))))
 
     def release(self, slot: int) -> None:
         if self._serving:  # a restarted process holds nothing to release
@@ -219,7 +219,7 @@ class DrafterWorker:
         `handles` are the target calls' context results, resolved by Ray from the ObjectRefs
         the coordinator passed (one per distinct producing call)."""
         with self._trace.call("draft") as stamps:
-            features = [from_wire(handle) for handle in handles]
+            features = [from_wire(handle).unpack() for handle in handles]
             draft_input: DraftInput = from_wire(inputs)
             contexts = [
                 [ContextSlice(features[c.handle], c.index) for c in slices] for slices in draft_input.contexts
@@ -258,7 +258,7 @@ class DrafterWorker:
         Values read from a graph channel are views of its buffer, and the target cannot write
         the next execution while one is held: each tensor is copied out."""
         if delivery is not None:
-            features = from_wire(delivery.features, copy=True)
+            features = from_wire(delivery.features, copy=True).unpack()
             for slot, tensor in zip(delivery.slots, features, strict=True):
                 self._delivered.setdefault(slot, []).append(tensor)
         if chained is None:
@@ -461,7 +461,7 @@ def _describe_restarted(actor: Any) -> dict[str, Any]:
 
 def _delivery(slots: Any, context: ContextHandle, bonus_tokens: list[int] | None = None) -> ContextDelivery:
     return ContextDelivery(
-        tuple(slots), to_wire(list(context)), None if bonus_tokens is None else tuple(bonus_tokens)
+        tuple(slots), to_wire(pack_features(context)), None if bonus_tokens is None else tuple(bonus_tokens)
     )
 
 

@@ -1,12 +1,13 @@
 """Tensors survive the numpy transport inside nested dataclasses, lists and tuples."""
 
 import dataclasses
+import pickle
 
 import numpy as np
 import torch
 
 from ddtree_serve.engine.interfaces import ContextSlice, SamplingBatch
-from ddtree_serve.serve.wire import WireTensor, from_wire, to_wire
+from ddtree_serve.serve.wire import WireTensor, from_wire, pack_features, to_wire
 from ddtree_serve.tree import build_chain, build_verify_batch
 
 
@@ -43,3 +44,14 @@ def test_read_only_arrays_from_the_object_store_become_writable_tensors() -> Non
     tensor = from_wire(WireTensor(array, torch.int64))
     tensor += 1  # would fail on memory shared with a read-only buffer
     assert tensor.tolist() == [1, 2, 3, 4] and array.tolist() == [0, 1, 2, 3]
+
+
+def test_packed_features_cross_as_one_array_and_unpack_to_each_requests_rows() -> None:
+    features = [torch.randn(n, 6, dtype=torch.bfloat16) for n in (3, 1, 5)]
+    wired = to_wire(pack_features(features))
+    assert isinstance(wired.joined, WireTensor) and wired.joined.array.shape == (9, 6)
+    restored = from_wire(pickle.loads(pickle.dumps(wired, protocol=5)), copy=True).unpack()
+    assert [r.shape[0] for r in restored] == [3, 1, 5]
+    for before, after in zip(features, restored, strict=True):
+        assert torch.equal(before, after) and after.dtype == torch.bfloat16
+    assert from_wire(to_wire(pack_features([]))).unpack() == []
