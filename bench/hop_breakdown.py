@@ -42,7 +42,13 @@ import torch
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.builder import target_dir
-from ddtree_serve.engine.interfaces import DraftInput, DraftOutput, VerifyInput, VerifyOutput
+from ddtree_serve.engine.interfaces import (
+    DraftChainingTarget,
+    DraftInput,
+    DraftOutput,
+    VerifyInput,
+    VerifyOutput,
+)
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
@@ -151,33 +157,43 @@ class GraphEchoTarget:
 
 
 class _CallStamper:
-    """Wraps the engine's target/drafter adapter: (start, end) seconds of each draft/verify call
-    (a chained verify's: from its submission to its verdict)."""
+    """Wraps the engine's target/drafter adapter: (start, end) seconds of each draft/verify call.
+
+    The seam methods are defined here, not forwarded by `__getattr__`: Python 3.12 checks runtime
+    protocols (`PipelinedTarget`, `DraftChainingTarget`) on the class, not through `__getattr__`."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.calls: dict[str, list[tuple[float, float]]] = {"draft": [], "verify_and_commit": []}
 
     def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self.inner, name)
-        if name == "submit_verify_then_draft":
+        return getattr(self.inner, name)
 
-            def submitted(inputs: Any, top_k: int) -> Any:
-                start = time.perf_counter()
-                verdict, draft = attribute(inputs, top_k)
-                return _StampedPending(verdict, start, self.calls["verify_and_commit"]), draft
+    def draft(self, inputs: Any) -> Any:
+        return self._stamped("draft", inputs)
 
-            return submitted
-        if name not in self.calls:
-            return attribute
+    def verify_and_commit(self, inputs: Any) -> Any:
+        return self._stamped("verify_and_commit", inputs)
 
-        def stamped(inputs: Any) -> Any:
-            start = time.perf_counter()
-            output = attribute(inputs)
-            self.calls[name].append((start, time.perf_counter()))
-            return output
+    def _stamped(self, name: str, inputs: Any) -> Any:
+        start = time.perf_counter()
+        output = getattr(self.inner, name)(inputs)
+        self.calls[name].append((start, time.perf_counter()))
+        return output
 
-        return stamped
+
+class _ChainingStamper(_CallStamper):
+    """A `_CallStamper` over a `DraftChainingTarget`: a chained verify is stamped from its
+    submission to its verdict."""
+
+    def submit_verify_then_draft(self, inputs: Any, top_k: int) -> Any:
+        start = time.perf_counter()
+        verdict, draft = self.inner.submit_verify_then_draft(inputs, top_k)
+        return _StampedPending(verdict, start, self.calls["verify_and_commit"]), draft
+
+
+def _stamper(inner: Any) -> _CallStamper:
+    return _ChainingStamper(inner) if isinstance(inner, DraftChainingTarget) else _CallStamper(inner)
 
 
 class _StampedPending:
@@ -403,7 +419,7 @@ def engine_step_table(
             traced = placement == "actors" and not overlap
             if traced:
                 ray.get([w.actor.trace_calls.remote(True) for w in (target, drafter)])  # type: ignore[union-attr]
-                target, drafter = _CallStamper(target), _CallStamper(drafter)  # type: ignore[assignment]
+                target, drafter = _stamper(target), _stamper(drafter)  # type: ignore[assignment]
             engine = SpecEngine(settings, target, drafter, tokenizer, overlap=overlap, chain_drafts=chained)
             for i in range(batch_size):
                 engine.add_request(f"{round_index}-{i}", PROMPTS[i % len(PROMPTS)], params)

@@ -39,7 +39,6 @@ from ray.exceptions import RayActorError, RayChannelError
 
 from ddtree_serve.engine.interfaces import (
     ContextHandle,
-    ContextSlice,
     DrafterUnavailableError,
     DraftInput,
     DraftOutput,
@@ -173,9 +172,8 @@ class StepGraph:
         # The drafter takes each slot's roots from the verdict and its one new context slice from
         # the delivery: the bonus tokens here only give the call its shape.
         slots = list(inputs.slots)
-        contexts = [(ContextSlice(GraphContext(0), 0),) for _ in slots]
-        draft = DraftInput(slots, torch.zeros(len(slots), dtype=torch.int64), contexts, top_k)
-        self._open.chained = DrafterCall((), to_wire(draft))
+        draft = DraftInput(slots, torch.zeros(len(slots), dtype=torch.int64), (), top_k)
+        self._open.chained = DrafterCall((), to_wire(draft), (1,) * len(slots))
         execution = self._open
         return _GraphPending(self, execution, "target", finish), _GraphPending(
             self, execution, "chained", lambda output: output
@@ -184,8 +182,9 @@ class StepGraph:
     def submit_draft(self, inputs: DraftInput) -> Pending[DraftOutput]:
         if self._open.draft is not None:
             self.flush()
-        # The graph delivered the features already: the slices only count (GraphContext markers).
-        self._open.draft = DrafterCall((), to_wire(inputs))
+        # The graph delivered the features already: the slices (GraphContext markers) only count.
+        counts = tuple(len(slices) for slices in inputs.contexts)
+        self._open.draft = DrafterCall((), to_wire(dataclasses.replace(inputs, contexts=())), counts)
         return _GraphPending(self, self._open, "draft", lambda output: output)
 
     def release_target(self, slot: int) -> None:

@@ -30,7 +30,10 @@ class TargetCall:
 @dataclass(frozen=True)
 class DrafterCall:
     releases: tuple[int, ...]  # slots to release first (their undrafted context goes too)
-    inputs: Any  # a wired `DraftInput` (its contexts count slices only), or None: releases only
+    # a wired `DraftInput` without its contexts (the drafter holds them, delivered), or None:
+    # releases only
+    inputs: Any
+    context_counts: tuple[int, ...] = ()  # per slot: the delivered slices this draft takes
 
 
 @dataclass(frozen=True)

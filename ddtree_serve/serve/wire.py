@@ -10,6 +10,7 @@ unpack with `from_wire`, walking lists, tuples and dataclasses.
 
 import copy as copying
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,8 @@ import torch
 
 # Dtypes numpy lacks travel as same-width integer views.
 _VIEW_DTYPES = {torch.bfloat16: torch.int16}
+# Values with nothing inside to convert: returned at once, without walking them.
+_ATOMS = (int, float, bool, str, type(None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +32,8 @@ class WireTensor:
 
 def to_wire(value: Any) -> Any:
     """`value` with every torch tensor replaced by a `WireTensor` (moved to the host)."""
+    if type(value) in _ATOMS:
+        return value
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu()
         view_dtype = _VIEW_DTYPES.get(tensor.dtype)
@@ -42,6 +47,8 @@ def from_wire(value: Any, copy: bool = False) -> Any:
 
     `copy`: every tensor owns its memory (values read from a compiled graph's channel are views
     of its buffer, writable or not, which the writer waits on while they live)."""
+    if type(value) in _ATOMS:
+        return value
     if isinstance(value, WireTensor):
         # Arrays from Ray's object store are read-only; torch tensors must own writable memory.
         array = value.array.copy() if copy or not value.array.flags.writeable else value.array
@@ -75,12 +82,31 @@ def pack_features(features: Any) -> PackedFeatures:
 
 
 def _map(value: Any, convert: Any) -> Any:
+    """`convert` applied inside lists, tuples and dataclasses; a part with nothing to convert is
+    returned as it is, not rebuilt (a batch-64 draft input's 64 context slices were 1.4 ms of
+    copies on the CI CPU when every dataclass was copied)."""
     if isinstance(value, list | tuple):
-        return type(value)(convert(item) for item in value)
+        items = [convert(item) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return type(value)(items)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {}
+        for name in _field_names(type(value)):
+            old = getattr(value, name)
+            new = convert(old)
+            if new is not old:
+                changed[name] = new
+        if not changed:
+            return value
         # Frozen dataclasses: copy, then set each field (no __init__, so derived fields survive).
         converted = copying.copy(value)
-        for field in dataclasses.fields(value):
-            object.__setattr__(converted, field.name, convert(getattr(value, field.name)))
+        for name, new in changed.items():
+            object.__setattr__(converted, name, new)
         return converted
     return value
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(field.name for field in dataclasses.fields(cls))

@@ -249,7 +249,7 @@ class DrafterWorker:
         if call.inputs is None:
             return None
         with self._trace.call("graph_draft") as stamps:
-            return self._draft_delivered(from_wire(call.inputs), stamps)
+            return self._draft_delivered(from_wire(call.inputs), call.context_counts, stamps)
 
     def graph_take_context(self, delivery: ContextDelivery | None, chained: DrafterCall | None) -> Wired:
         """Keeps a target call's features per slot, in commit order; then runs the chained draft,
@@ -272,17 +272,18 @@ class DrafterWorker:
             ):
                 raise RuntimeError("a chained draft follows the verify of its own slots")
             bonus_tokens = torch.tensor(delivery.bonus_tokens, dtype=torch.int64)
-            return self._draft_delivered(dataclasses.replace(draft_input, bonus_tokens=bonus_tokens), stamps)
+            draft_input = dataclasses.replace(draft_input, bonus_tokens=bonus_tokens)
+            return self._draft_delivered(draft_input, chained.context_counts, stamps)
 
-    def _draft_delivered(self, draft_input: DraftInput, stamps: CallStamps | None) -> Wired:
-        """`draft_input`'s draft from each slot's delivered features (its slices only count them)."""
+    def _draft_delivered(
+        self, draft_input: DraftInput, context_counts: tuple[int, ...], stamps: CallStamps | None
+    ) -> Wired:
+        """`draft_input`'s draft from each slot's delivered features, `context_counts[i]` of them."""
         contexts = []
-        for slot, slices in zip(draft_input.slots, draft_input.contexts, strict=True):
+        for slot, count in zip(draft_input.slots, context_counts, strict=True):
             features = self._delivered.pop(slot, [])
-            if len(features) != len(slices):
-                raise RuntimeError(
-                    f"slot {slot}: {len(features)} context deliveries for {len(slices)} pending slices"
-                )
+            if len(features) != count:
+                raise RuntimeError(f"slot {slot}: {len(features)} context deliveries for {count} slices")
             contexts.append([ContextSlice(features, i) for i in range(len(features))])
         return self._draft_wired(dataclasses.replace(draft_input, contexts=contexts), stamps)
 
