@@ -415,7 +415,7 @@ def engine_step_table(
         for name, placement, compiled, overlap, chained in configurations:
             target, drafter = workers[name]
             if compiled:
-                target, drafter = graph_workers(target, drafter)  # type: ignore[arg-type]
+                target, drafter = graph_workers(target, drafter, overlap)  # type: ignore[arg-type]
             traced = placement == "actors" and not overlap
             if traced:
                 ray.get([w.actor.trace_calls.remote(True) for w in (target, drafter)])  # type: ignore[union-attr]

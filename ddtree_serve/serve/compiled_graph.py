@@ -5,19 +5,25 @@ per call; the step makes two or three of them. A compiled graph is set up once o
 actors and then moves each execution's inputs and outputs through shared-memory channels
 (`bench/hop_breakdown.py` measures both). One graph serves every call of the step:
 
-    step[0] -> drafter.graph_draft ---------------------------------> draft output
-    step[1] -> target.graph_call -> output ------------------------> verify/prefill output
-                                 -> context -> drafter.graph_take_context -> chained draft output
-    step[2] ---------------------------------------^
+    serial (placement.overlap off):
+    step[1] -> target.graph_call -> output -----------------------------------> target output
+                                 -> context -> drafter.graph_take_context ----> draft output
+    step[0] -------------------------------------------^
+
+    overlap:
+    step[0] -> drafter.graph_draft -------------------------------------------> draft output
+    step[1] -> target.graph_call -> output -----------------------------------> target output
+                                 -> context -> drafter.graph_take_context ----> (None)
 
 so the target's features reach the drafter inside the graph and the Coordinator holds only a
-`GraphContext` marker. An execution carries a drafter call, a target call, or both: the
-overlapped step pairs the draft of one micro-batch with the verify of the other, which the two
-actors run at the same time; the serial step pairs its verify with the chained draft of the
-same requests' next block (step[2]), which the drafter runs as soon as it has the verdict's bonus
-tokens and features, so a serial step is one execution (one round trip) instead of two.
-Ray 2.60 allows an actor in one compiled graph only, hence one graph for all of it; released
-slots travel with the next execution (`graph_calls.py`).
+`GraphContext` marker. An execution carries a drafter call, a target call, or both. The serial
+step pairs its verify with the chained draft of the same requests' next block, which the drafter
+runs as soon as it has the verdict's bonus tokens and features: a serial step is one execution
+(one round trip) instead of two, and the drafter has one node, so an execution moves no more
+values than it uses. The overlapped step pairs the draft of one micro-batch with the verify of
+the other, which the two actors run at the same time: its drafter call has a node of its own
+that does not wait for the target. Ray 2.60 allows an actor in one compiled graph only, hence
+one graph for all of it; released slots travel with the next execution (`graph_calls.py`).
 
 Faults: a dead drafter breaks the graph. It is torn down (the actors live on), the target's
 call of the broken execution is replayed from the target's last result (or run, if it never
@@ -104,9 +110,12 @@ class StepGraph:
     runs it first. Not thread-safe: the engine thread drives it.
     """
 
-    def __init__(self, target: RayTarget, drafter: RayDrafter) -> None:
+    def __init__(self, target: RayTarget, drafter: RayDrafter, overlap: bool) -> None:
+        """`overlap`: the graph's shape for the overlapped step (the drafter's call does not wait
+        for the target's); else the serial shape (any engine runs correctly on either)."""
         self._target = target
         self._drafter = drafter
+        self._overlap = overlap
         self._open = _Execution()
         self._call_ids = iter(range(1 << 62))
         self._target_releases: list[int] = []
@@ -122,10 +131,13 @@ class StepGraph:
     def _compile(self) -> None:
         drafter, target = self._drafter.actor, self._target.actor
         with InputNode() as step:
-            draft = drafter.graph_draft.bind(step[0])
-            output, context = target.graph_call.options(num_returns=2).bind(step[1])
-            chained = drafter.graph_take_context.bind(context, step[2])
-            dag = MultiOutputNode([draft, output, chained])
+            if self._overlap:
+                draft = drafter.graph_draft.bind(step[0])
+                output, context = target.graph_call.options(num_returns=2).bind(step[1])
+                dag = MultiOutputNode([draft, output, drafter.graph_take_context.bind(context, None)])
+            else:
+                output, context = target.graph_call.options(num_returns=2).bind(step[1])
+                dag = MultiOutputNode([drafter.graph_take_context.bind(context, step[0]), output])
         self._graph = dag.experimental_compile()
 
     def recompile(self) -> None:
@@ -166,14 +178,14 @@ class StepGraph:
         self, inputs: VerifyInput, top_k: int, finish: Any
     ) -> tuple[Pending[VerifyOutput], Pending[DraftOutput]]:
         """The verify and the chained draft of its slots, in one execution (see the module doc)."""
-        if self._open.target is not None:
+        if self._open.target is not None or self._open.draft is not None:
             self.flush()
         self._open.target = TargetCall(next(self._call_ids), (), "verify_and_commit", to_wire(inputs))
         # The drafter takes each slot's roots from the verdict and its one new context slice from
         # the delivery: the bonus tokens here only give the call its shape.
         slots = list(inputs.slots)
         draft = DraftInput(slots, torch.zeros(len(slots), dtype=torch.int64), (), top_k)
-        self._open.chained = DrafterCall((), to_wire(draft), (1,) * len(slots))
+        self._open.chained = DrafterCall((), to_wire(draft), (1,) * len(slots), chained=True)
         execution = self._open
         return _GraphPending(self, execution, "target", finish), _GraphPending(
             self, execution, "chained", lambda output: output
@@ -214,14 +226,20 @@ class StepGraph:
     def _run_compiled(self, execution: _Execution) -> None:
         try:
             # A graph whose actor died may already refuse the write (its channel closed).
-            draft_ref, target_ref, chained_ref = self._graph.execute(
-                execution.draft, execution.target, execution.chained
-            )
-            # Channel values are views of the channel's buffer, which the next execution cannot
-            # write while one lives (a carried draft outlives a step): copied out at once.
-            execution.draft_result = from_wire(draft_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
-            execution.target_result = from_wire(target_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
-            execution.chained_result = from_wire(chained_ref.get(timeout=_GET_TIMEOUT_S), copy=True)
+            if self._overlap:
+                draft_ref, target_ref, after_ref = self._graph.execute(execution.draft, execution.target)
+                refs = [("draft", draft_ref), ("target", target_ref), (None, after_ref)]
+            else:
+                drafter_call = _one_drafter_call(execution)
+                drafter_ref, target_ref = self._graph.execute(drafter_call, execution.target)
+                role = "chained" if execution.chained is not None else "draft"
+                refs = [(role, drafter_ref), ("target", target_ref)]
+            for role, ref in refs:
+                # Channel values are views of the channel's buffer, which the next execution
+                # cannot write while one lives (a carried draft outlives a step): copied out.
+                value = from_wire(ref.get(timeout=_GET_TIMEOUT_S), copy=True)
+                if role is not None:
+                    setattr(execution, f"{role}_result", value)
         except _LOST as error:
             self._break(execution, error)
         except TargetRestartedError as error:  # compiled over a target that restarted since
@@ -366,6 +384,16 @@ class GraphDrafter:
         self._graph.release_drafter(slot)
 
 
+def _one_drafter_call(execution: _Execution) -> DrafterCall | None:
+    """The serial graph's one drafter call: the chained draft (with the releases the execution's
+    draft call holds) or the standalone one; serial executions never carry both with inputs."""
+    if execution.chained is None:
+        return execution.draft
+    assert execution.draft is None or execution.draft.inputs is None, "one drafter call per execution"
+    releases = () if execution.draft is None else execution.draft.releases
+    return dataclasses.replace(execution.chained, releases=releases)
+
+
 def _teardown(graph: Any) -> None:
     try:
         graph.teardown()
@@ -373,7 +401,7 @@ def _teardown(graph: Any) -> None:
         logger.exception("teardown of the step graph failed")
 
 
-def graph_workers(target: RayTarget, drafter: RayDrafter) -> tuple[GraphTarget, GraphDrafter]:
-    """The seam over one compiled step graph of the group's two actors."""
-    graph = StepGraph(target, drafter)
+def graph_workers(target: RayTarget, drafter: RayDrafter, overlap: bool) -> tuple[GraphTarget, GraphDrafter]:
+    """The seam over one compiled step graph of the group's two actors (`overlap`: its shape)."""
+    graph = StepGraph(target, drafter, overlap)
     return GraphTarget(graph, target), GraphDrafter(graph, drafter)

@@ -34,6 +34,7 @@ class DrafterCall:
     # releases only
     inputs: Any
     context_counts: tuple[int, ...] = ()  # per slot: the delivered slices this draft takes
+    chained: bool = False  # runs after the execution's verify, from its bonus tokens
 
 
 @dataclass(frozen=True)

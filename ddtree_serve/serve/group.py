@@ -115,7 +115,7 @@ def _start_actors(
         return target, None
     drafter = RayDrafter(drafter_actor)
     if placement.transport == "compiled_graph":
-        return graph_workers(target, drafter)
+        return graph_workers(target, drafter, placement.overlap)
     return target, drafter
 
 
@@ -146,5 +146,5 @@ def reconnect_workers(
     drafter = RayDrafter(drafter_actor)
     drafter.release_all(config.engine.max_num_seqs)
     if config.placement.transport == "compiled_graph":
-        return graph_workers(target, drafter)
+        return graph_workers(target, drafter, config.placement.overlap)
     return target, drafter

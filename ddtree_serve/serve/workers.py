@@ -251,20 +251,27 @@ class DrafterWorker:
         with self._trace.call("graph_draft") as stamps:
             return self._draft_delivered(from_wire(call.inputs), call.context_counts, stamps)
 
-    def graph_take_context(self, delivery: ContextDelivery | None, chained: DrafterCall | None) -> Wired:
-        """Keeps a target call's features per slot, in commit order; then runs the chained draft,
-        if any, from the delivered verdict's bonus tokens (else returns None).
+    def graph_take_context(self, delivery: ContextDelivery | None, call: DrafterCall | None) -> Wired:
+        """The serial graph's drafter node: releases, then keeps a target call's features per slot
+        in commit order, then runs the execution's draft, if any (a chained one from the delivered
+        verdict's bonus tokens). The overlapped graph passes no call: its drafts run in
+        `graph_draft`.
 
         Values read from a graph channel are views of its buffer, and the target cannot write
         the next execution while one is held: each tensor is copied out."""
+        for slot in () if call is None else call.releases:
+            self.release(slot)
         if delivery is not None:
             features = from_wire(delivery.features, copy=True).unpack()
             for slot, tensor in zip(delivery.slots, features, strict=True):
                 self._delivered.setdefault(slot, []).append(tensor)
-        if chained is None:
+        if call is None or call.inputs is None:
             return None
+        if not call.chained:
+            with self._trace.call("graph_draft") as stamps:
+                return self._draft_delivered(from_wire(call.inputs), call.context_counts, stamps)
         with self._trace.call("graph_chained_draft") as stamps:
-            draft_input: DraftInput = from_wire(chained.inputs)
+            draft_input: DraftInput = from_wire(call.inputs)
             if (
                 delivery is None
                 or delivery.bonus_tokens is None
@@ -273,7 +280,7 @@ class DrafterWorker:
                 raise RuntimeError("a chained draft follows the verify of its own slots")
             bonus_tokens = torch.tensor(delivery.bonus_tokens, dtype=torch.int64)
             draft_input = dataclasses.replace(draft_input, bonus_tokens=bonus_tokens)
-            return self._draft_delivered(draft_input, chained.context_counts, stamps)
+            return self._draft_delivered(draft_input, call.context_counts, stamps)
 
     def _draft_delivered(
         self, draft_input: DraftInput, context_counts: tuple[int, ...], stamps: CallStamps | None
