@@ -34,13 +34,13 @@ for stage in "${STAGES[@]}"; do
       cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png "$OUT/"
       xz -c /tmp/budget/budget_traces_cuda.json >"$OUT/budget_traces_cuda.json.xz" ;;
     hops) run hops 240 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8 \
-      --batch-sizes 1 16 64 --repeats 100 --chunks 100 --steps 20 --rounds 1 ;;
+      --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 --rounds 1 ;;
     serve) run serve 300 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
       --transport actor_calls compiled_graph --stream-batching-interval-ms 0 50 --concurrency 1 4 16 64 ;;
     graph) run graph 200 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
       --transport compiled_graph --stream-batching-interval-ms 0 50 --concurrency 1 4 16 64 ;;
-    chain) run chain 330 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
-      --transport compiled_graph --chain-drafts off on --concurrency 1 4 16 64 ;;
+    chain) run chain 300 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --transport compiled_graph --chain-drafts off on --concurrency 1 4 16 64 --repeats 2 ;;
     overlap) run overlap 420 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
       --transport actor_calls compiled_graph --overlap off on --concurrency 1 4 16 64 ;;
     budget256) run budget256 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
