@@ -307,7 +307,7 @@ def main() -> None:
     parser.add_argument(
         "--chain-drafts",
         nargs="+",
-        default=["on"],
+        default=["off"],
         choices=["off", "on"],
         help="placement.chain_drafts values (compiled graph, serial: next draft in the verify's execution).",
     )
@@ -339,7 +339,7 @@ def main() -> None:
         for o in args.overlap
         for c in args.chain_drafts
         for i in intervals
-        if c == "on" or (t == "compiled_graph" and o == "off")  # chaining changes nothing elsewhere
+        if c == "off" or (t == "compiled_graph" and o == "off")  # chaining changes nothing elsewhere
     ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": _free_port()}, "grpc": {"port": _free_port()}}

@@ -91,7 +91,7 @@ class SpecEngine:
         tree_builder: TreeBuilder | None = None,
         overlap: bool = False,
         budget_policy: AdaptiveBudget | None = None,
-        chain_drafts: bool = True,
+        chain_drafts: bool = False,
     ) -> None:
         """`tree_builder`: where the build stage runs (default: the host; `TreeBuilder("device")`
         builds where the draft lies). `overlap`: two micro-batches in flight (`_overlapped_step`),

@@ -98,11 +98,12 @@ class PlacementConfig(_Strict):
         "drafter and the fixed budget policy.",
     )
     chain_drafts: bool = Field(
-        default=True,
+        default=False,
         description="Under transport 'compiled_graph' without overlap and with the fixed budget "
         "policy: each verify execution also runs the drafter's next draft of the same requests "
         "from the verdict (bonus tokens and features stay inside the graph), so a step is one "
-        "round trip to the actors instead of two. Same tokens as without; ignored elsewhere.",
+        "round trip to the actors instead of two. Same tokens as without; ignored elsewhere. Off "
+        "by default: on one H200 it did not make served steps faster (README, Benchmarks).",
     )
     target_max_restarts: int = Field(
         default=3,

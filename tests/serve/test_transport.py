@@ -3,8 +3,8 @@
 Every configuration drives one `SpecEngine` over real `TargetWorker` / `DrafterWorker` actors
 on the bundled pair and must give the in-process engine's tokens exactly: greedy requests
 joining and leaving a mixed batch, streams cancelled in either micro-batch, and seeded sampling
-whichever micro-batch a request lands in. The compiled graph without overlap chains each
-step's next draft to its verify (one execution a step), so the same tests cover that path.
+whichever micro-batch a request lands in. The compiled graph without overlap runs with and
+without chained drafts (each step's next draft in its verify's execution).
 """
 
 import shutil
@@ -34,8 +34,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ENGINE = EngineConfig(mode="ddtree", budget=8, max_num_seqs=4, max_queue_len=8, max_seq_len=256)
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(10):", "def fib(n):"]
-# (transport, overlap): the configurations under test; actor calls without overlap is main's path.
-CONFIGS = [("compiled_graph", False), ("compiled_graph", True), ("actor_calls", True)]
+# (transport, overlap, chained drafts): the configurations under test; actor calls without overlap
+# is main's path.
+CONFIGS = [
+    ("compiled_graph", False, False),
+    ("compiled_graph", False, True),
+    ("compiled_graph", True, False),
+    ("actor_calls", True, False),
+]
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +55,17 @@ def ray_cluster() -> Iterator[None]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"{c[0]}-overlap{int(c[1])}")
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"{c[0]}-overlap{int(c[1])}-chained{int(c[2])}")
 def served_engine(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator[SpecEngine]:
-    transport, overlap = request.param
-    config = ServeConfig(engine=ENGINE, placement={"transport": transport, "overlap": overlap})  # type: ignore[arg-type]
+    transport, overlap, chained = request.param
+    placement = {"transport": transport, "overlap": overlap, "chain_drafts": chained}
+    config = ServeConfig(engine=ENGINE, placement=placement)  # type: ignore[arg-type]
     target, drafter = start_workers(config)
     assert isinstance(target, GraphTarget) == (transport == "compiled_graph")
-    engine = SpecEngine(
-        ENGINE.to_settings(), target, drafter, load_tokenizer(target_dir(ENGINE)), overlap=overlap
-    )
-    assert engine.chains_drafts == (transport == "compiled_graph" and not overlap)
+    tokenizer = load_tokenizer(target_dir(ENGINE))
+    settings = ENGINE.to_settings()
+    engine = SpecEngine(settings, target, drafter, tokenizer, overlap=overlap, chain_drafts=chained)
+    assert engine.chains_drafts == chained
     yield engine
     if isinstance(target, GraphTarget):
         target.close()
@@ -263,7 +270,12 @@ def test_a_killed_target_restarts_in_place_under_a_new_engine(
     config = ServeConfig(engine=ENGINE, placement={"transport": transport, "overlap": served_engine.overlap})  # type: ignore[arg-type]
     new_target, new_drafter = reconnect_workers(config, target.actor, drafter.actor)  # type: ignore[attr-defined]
     engine = SpecEngine(
-        ENGINE.to_settings(), new_target, new_drafter, served_engine.tokenizer, overlap=served_engine.overlap
+        ENGINE.to_settings(),
+        new_target,
+        new_drafter,
+        served_engine.tokenizer,
+        overlap=served_engine.overlap,
+        chain_drafts=served_engine.chains_drafts,
     )
     try:
         again = [(0, f"r{i}", PROMPTS[i], _greedy(30)) for i in range(ENGINE.max_num_seqs)]
