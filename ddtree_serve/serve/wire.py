@@ -1,60 +1,118 @@
-"""Torch tensors as numpy arrays while they cross actor boundaries.
+"""Values with torch tensors inside, as one host byte buffer while they cross actor boundaries.
 
-Ray serializes numpy arrays out of band (no copy through pickle) but torch tensors through a
-slow generic path: measured on the 2-core CI machine, one actor call with eight small int64
-tensors as arguments takes ~9 ms against ~1.3 ms for the same data as numpy arrays. A step
-sends a `VerifyBatch` (eight tensors), sampling tensors and coins, and gets tensors back, so
-the worker adapters pack every tensor inside their arguments and results with `to_wire` and
-unpack with `from_wire`, walking lists, tuples and dataclasses.
+Ray serializes numpy arrays out of band but torch tensors through a slow generic path (one
+actor call with eight small int64 tensors: ~9 ms against ~1.3 ms as numpy arrays on the CI
+CPU), and each out-of-band array still costs its own share of every hop: on the CI CPU one
+compiled-graph round trip carrying 12 small arrays took 0.98 ms against 0.36 ms for the same
+bytes as one array (`bench/channel_cost.py`). A step sends a `VerifyBatch` (eight tensors),
+sampling tensors and coins, and gets tensors back, so the worker adapters wrap each argument
+and result with `to_wire`: every tensor inside it (walking lists, tuples and dataclasses) is
+copied into one byte buffer and replaced by where it lies there; `from_wire` makes the tensors
+again as views of that buffer.
 """
 
 import copy as copying
 import dataclasses
 import functools
+import pickle
 from typing import Any
 
 import numpy as np
 import torch
 
-# Dtypes numpy lacks travel as same-width integer views.
-_VIEW_DTYPES = {torch.bfloat16: torch.int16}
 # Values with nothing inside to convert: returned at once, without walking them.
 _ATOMS = (int, float, bool, str, type(None))
+# Each tensor starts at a multiple of this many bytes, so a view of any dtype can start there.
+_ALIGN = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class WireTensor:
-    """A CPU tensor's data as a numpy array plus its torch dtype (only these become tensors again)."""
+    """Where one tensor lies in its `Wired` value's buffer."""
 
-    array: np.ndarray
+    offset: int  # bytes, a multiple of _ALIGN
+    shape: tuple[int, ...]
     dtype: torch.dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class Wired:
+    """A value whose tensors were replaced by `WireTensor`s, and the one buffer holding them.
+
+    The structure travels pickled by the standard library: Ray's serializer calls back into
+    Python for every object it pickles, so a payload of many small dataclasses costs it far
+    more than one bytes object."""
+
+    structure: bytes  # the pickled value, each tensor a `WireTensor`
+    buffer: np.ndarray  # uint8
+
+    @property
+    def value(self) -> Any:
+        """The value with its `WireTensor` placeholders (no tensors)."""
+        return pickle.loads(self.structure)
+
+
+class _Packer:
+    """Collects a value's tensors (on the host) and where each will lie in the buffer."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.num_bytes = 0
+
+    def replace(self, value: Any) -> Any:
+        if type(value) in _ATOMS:
+            return value
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu()
+            placed = WireTensor(self.num_bytes, tuple(tensor.shape), tensor.dtype)
+            self.tensors.append(tensor)
+            size = tensor.numel() * tensor.element_size()
+            self.num_bytes += -(-size // _ALIGN) * _ALIGN
+            return placed
+        return _map(value, self.replace)
+
+
 def to_wire(value: Any) -> Any:
-    """`value` with every torch tensor replaced by a `WireTensor` (moved to the host)."""
-    if type(value) in _ATOMS:
+    """`value` as a `Wired` (its tensors moved to the host, into one buffer); a value without
+    tensors as it is."""
+    packer = _Packer()
+    structure = packer.replace(value)
+    if not packer.tensors:
         return value
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().cpu()
-        view_dtype = _VIEW_DTYPES.get(tensor.dtype)
-        array = (tensor.view(view_dtype) if view_dtype else tensor).numpy()
-        return WireTensor(array, tensor.dtype)
-    return _map(value, to_wire)
+    buffer = torch.empty(packer.num_bytes, dtype=torch.uint8)
+    offset = 0
+    for tensor in packer.tensors:
+        size = tensor.numel() * tensor.element_size()
+        if size:  # copied into a view of the buffer: any strides the source has
+            buffer[offset : offset + size].view(tensor.dtype).copy_(tensor.reshape(-1))
+        offset += -(-size // _ALIGN) * _ALIGN
+    return Wired(pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL), buffer.numpy())
 
 
 def from_wire(value: Any, copy: bool = False) -> Any:
-    """Inverse of `to_wire`: `WireTensor`s become CPU tensors again.
+    """Inverse of `to_wire`: the tensors again, views of the value's one buffer.
 
-    `copy`: every tensor owns its memory (values read from a compiled graph's channel are views
-    of its buffer, writable or not, which the writer waits on while they live)."""
+    `copy`: the tensors own their memory (values read from a compiled graph's channel are views
+    of its buffer, which the writer waits on while they live). A read-only buffer (Ray's object
+    store) is copied too: torch tensors must own writable memory."""
     if type(value) in _ATOMS:
         return value
-    if isinstance(value, WireTensor):
-        # Arrays from Ray's object store are read-only; torch tensors must own writable memory.
-        array = value.array.copy() if copy or not value.array.flags.writeable else value.array
-        tensor = torch.from_numpy(array)
-        return tensor.view(value.dtype) if value.dtype in _VIEW_DTYPES else tensor
-    return _map(value, lambda item: from_wire(item, copy))
+    if not isinstance(value, Wired):
+        return _map(value, lambda item: from_wire(item, copy))
+    array = value.buffer.copy() if copy or not value.buffer.flags.writeable else value.buffer
+    buffer = torch.from_numpy(array)
+
+    def tensor_of(item: Any) -> Any:
+        if type(item) in _ATOMS:
+            return item
+        if isinstance(item, WireTensor):
+            size = _element_size(item.dtype) * int(np.prod(item.shape, dtype=np.int64))
+            if size == 0:  # an empty slice cannot be viewed as a wider dtype
+                return torch.empty(item.shape, dtype=item.dtype)
+            return buffer[item.offset : item.offset + size].view(item.dtype).reshape(item.shape)
+        return _map(item, tensor_of)
+
+    return tensor_of(value.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,3 +168,8 @@ def _map(value: Any, convert: Any) -> Any:
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(field.name for field in dataclasses.fields(cls))
+
+
+@functools.cache
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
