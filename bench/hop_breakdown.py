@@ -36,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
@@ -141,7 +140,7 @@ class GraphEchoDrafter:
     def take_context(self, context: Any) -> int:
         # Values read from a channel are zero-copy views of its buffer: keep a copy, or the
         # writer blocks on the next execution.
-        self._context = [] if context is None else [np.array(a.array) for a in context]
+        self._context = [] if context is None else from_wire(context, copy=True)
         return len(self._context)
 
 
