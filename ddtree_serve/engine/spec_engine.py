@@ -12,7 +12,8 @@ ceiling); a step that does not draft verifies root-only trees, and the drafter l
 every context slice it missed.
 
 Over a transport that chains a draft to a verify (`DraftChainingTarget`: the compiled step
-graph), the serial step with a fixed budget hands each verify the next draft of its requests,
+graph) and with `chain_drafts`, the serial step with a fixed budget hands each verify the next
+draft of its requests,
 which the drafter runs from the verdict before the step returns: the next step starts with its
 draft done (newcomers draft on their own), and a step costs one round trip to the actors.
 

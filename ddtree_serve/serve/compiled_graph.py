@@ -16,11 +16,12 @@ actors and then moves each execution's inputs and outputs through shared-memory 
                                  -> context -> drafter.graph_take_context ----> (None)
 
 so the target's features reach the drafter inside the graph and the Coordinator holds only a
-`GraphContext` marker. An execution carries a drafter call, a target call, or both. The serial
-step pairs its verify with the chained draft of the same requests' next block, which the drafter
-runs as soon as it has the verdict's bonus tokens and features: a serial step is one execution
-(one round trip) instead of two, and the drafter has one node, so an execution moves no more
-values than it uses. The overlapped step pairs the draft of one micro-batch with the verify of
+`GraphContext` marker. An execution carries a drafter call, a target call, or both. In the
+serial shape the drafter has one node, so an execution moves no more values than it uses; with
+`placement.chain_drafts` the serial step pairs its verify with the chained draft of the same
+requests' next block, which the drafter runs as soon as it has the verdict's bonus tokens and
+features: a steady step is then one execution (one round trip) instead of two. The overlapped
+step pairs the draft of one micro-batch with the verify of
 the other, which the two actors run at the same time: its drafter call has a node of its own
 that does not wait for the target. Ray 2.60 allows an actor in one compiled graph only, hence
 one graph for all of it; released slots travel with the next execution (`graph_calls.py`).
@@ -106,13 +107,14 @@ class _GraphPending(Generic[ResultT]):
 class StepGraph:
     """The compiled graph over one group's drafter and target actors, and its calls in order.
 
-    Calls queue into the open execution; a second call for the same side, or any `result()`,
-    runs it first. Not thread-safe: the engine thread drives it.
+    Calls queue into the open execution; a second call for the same side (a chained draft: any
+    open call), or any `result()`, runs it first. Not thread-safe: the engine thread drives it.
     """
 
     def __init__(self, target: RayTarget, drafter: RayDrafter, overlap: bool) -> None:
         """`overlap`: the graph's shape for the overlapped step (the drafter's call does not wait
-        for the target's); else the serial shape (any engine runs correctly on either)."""
+        for the target's); else the serial shape. An overlapped engine runs correctly on the
+        serial shape (its two calls then do not run at once); chained drafts need the serial one."""
         self._target = target
         self._drafter = drafter
         self._overlap = overlap
@@ -137,7 +139,7 @@ class StepGraph:
                 dag = MultiOutputNode([draft, output, drafter.graph_take_context.bind(context, None)])
             else:
                 output, context = target.graph_call.options(num_returns=2).bind(step[1])
-                dag = MultiOutputNode([drafter.graph_take_context.bind(context, step[0]), output])
+                dag = MultiOutputNode([output, drafter.graph_take_context.bind(context, step[0])])
         self._graph = dag.experimental_compile()
 
     def recompile(self) -> None:
@@ -178,6 +180,8 @@ class StepGraph:
         self, inputs: VerifyInput, top_k: int, finish: Any
     ) -> tuple[Pending[VerifyOutput], Pending[DraftOutput]]:
         """The verify and the chained draft of its slots, in one execution (see the module doc)."""
+        if self._overlap:
+            raise ValueError("chained drafts need the serial graph (placement.overlap off)")
         if self._open.target is not None or self._open.draft is not None:
             self.flush()
         self._open.target = TargetCall(next(self._call_ids), (), "verify_and_commit", to_wire(inputs))
@@ -231,9 +235,9 @@ class StepGraph:
                 refs = [("draft", draft_ref), ("target", target_ref), (None, after_ref)]
             else:
                 drafter_call = _one_drafter_call(execution)
-                drafter_ref, target_ref = self._graph.execute(drafter_call, execution.target)
+                target_ref, drafter_ref = self._graph.execute(drafter_call, execution.target)
                 role = "chained" if execution.chained is not None else "draft"
-                refs = [(role, drafter_ref), ("target", target_ref)]
+                refs = [("target", target_ref), (role, drafter_ref)]
             for role, ref in refs:
                 # Channel values are views of the channel's buffer, which the next execution
                 # cannot write while one lives (a carried draft outlives a step): copied out.

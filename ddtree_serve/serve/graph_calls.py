@@ -1,9 +1,9 @@
 """What one execution of the compiled step graph carries to each worker, and back.
 
 `compiled_graph.py` drives the graph; the workers (`workers.py`) run these calls. One execution
-carries at most one drafter call and one target call (the overlapped step pairs a draft of one
-micro-batch with the verify of the other), each after the slots released since the previous
-execution: releases travel with the next call instead of as calls of their own, and stay in
+carries at most one drafter call with inputs and one target call (the overlapped step pairs a
+draft of one micro-batch with the verify of the other), each after the slots released since the
+previous execution: releases travel with the next call instead of as calls of their own, and stay in
 order with the graph's calls (Ray orders a caller's actor calls, not a graph's channels).
 The target's context features reach the drafter inside the graph as a `ContextDelivery`; the
 engine only ever holds a `GraphContext` marker. An execution may also carry a chained draft: a

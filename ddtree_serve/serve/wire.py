@@ -18,12 +18,14 @@ import pickle
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 # Values with nothing inside to convert: returned at once, without walking them.
 _ATOMS = (int, float, bool, str, type(None))
-# Each tensor starts at a multiple of this many bytes, so a view of any dtype can start there.
-_ALIGN = 8
+# Each tensor starts at a multiple of this many bytes, so a view of any dtype (complex128: 16
+# bytes) can start there.
+_ALIGN = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,9 @@ class _Packer:
     def replace(self, value: Any) -> Any:
         if type(value) in _ATOMS:
             return value
+        if isinstance(value, ray.ObjectRef):
+            # Pickled by the standard library it would travel without Ray's ownership bookkeeping.
+            raise TypeError("an ObjectRef cannot travel inside a wired value: pass it as an argument")
         if isinstance(value, torch.Tensor):
             tensor = value.detach().cpu()
             placed = WireTensor(self.num_bytes, tuple(tensor.shape), tensor.dtype)
@@ -148,6 +153,11 @@ def _map(value: Any, convert: Any) -> Any:
         if all(new is old for new, old in zip(items, value, strict=True)):
             return value
         return type(value)(items)
+    if isinstance(value, dict):
+        converted_items = {key: convert(item) for key, item in value.items()}
+        if all(converted_items[key] is item for key, item in value.items()):
+            return value
+        return converted_items
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changed = {}
         for name in _field_names(type(value)):

@@ -14,7 +14,9 @@ before the call runs. (Ray inlines
 return values under `max_direct_call_object_size`, 100 KiB by default, into the caller's
 memory: a toy model's few-KiB features do pass through the Coordinator's memory; real models'
 features, taps x hidden x accepted tokens, go through the object store target -> drafter.)
-Tensors cross every actor boundary as numpy arrays (`wire.py`: several times cheaper in Ray).
+Values cross every actor boundary as `wire.py` packs them: one byte buffer of all their tensors
+plus their structure pickled by the standard library (several times cheaper in Ray than torch
+tensors, and cheaper than one numpy array per tensor).
 
 Faults: a dead or restarting worker makes Ray raise `RayActorError`; the adapters turn it into
 the seam's `DrafterUnavailableError` / `TargetUnavailableError`, so the engine's fallback and

@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -214,6 +215,15 @@ def test_call_traces_split_each_call_inside_the_coordinators_window(served_engin
         assert any(start <= call.start_s and stamps[-1] <= end for start, end in windows), call
     ray.get([actor.trace_calls.remote(False) for actor in actors])
     assert ray.get([actor.take_call_trace.remote() for actor in actors]) == [[], []]
+
+
+def test_chained_drafts_are_refused_over_the_overlapped_graph(served_engine: SpecEngine) -> None:
+    """Over the overlap-shaped graph a chained draft would never run: asked for, it fails loudly."""
+    target = served_engine.target
+    if not (isinstance(target, GraphTarget) and served_engine.overlap):
+        pytest.skip("only the overlap-shaped compiled graph")
+    with pytest.raises(ValueError, match="serial graph"):
+        target.submit_verify_then_draft(SimpleNamespace(return_context=True), 8)  # type: ignore[arg-type]
 
 
 def test_a_killed_drafter_decodes_plainly_then_speculates_again(

@@ -4,6 +4,8 @@ import dataclasses
 import pickle
 
 import numpy as np
+import pytest
+import ray
 import torch
 
 from ddtree_serve.engine.interfaces import ContextSlice, SamplingBatch
@@ -75,3 +77,15 @@ def test_packed_features_cross_as_one_array_and_unpack_to_each_requests_rows() -
     for before, after in zip(features, restored, strict=True):
         assert torch.equal(before, after) and after.dtype == torch.bfloat16
     assert from_wire(to_wire(pack_features([]))).unpack() == []
+
+
+def test_dicts_and_sixteen_byte_dtypes_after_odd_sizes_round_trip() -> None:
+    value = {"mask": torch.tensor([True, False, True]), "z": torch.ones(2, dtype=torch.complex128)}
+    restored = from_wire(to_wire(value))
+    assert restored.keys() == value.keys()
+    assert all(torch.equal(restored[key], value[key]) for key in value)
+
+
+def test_an_object_ref_inside_a_wired_value_is_refused() -> None:
+    with pytest.raises(TypeError, match="ObjectRef"):
+        to_wire((torch.zeros(1), ray.ObjectRef(b"\x01" * 28)))
