@@ -12,14 +12,13 @@ bare array, or an int.
 
 import argparse
 import shutil
-import statistics
 import tempfile
-import time
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+from hop_breakdown import median_ms  # bench/ is the script's folder, first on sys.path
 from ray.dag import InputNode, MultiOutputNode
 
 from ddtree_serve.serve.wire import to_wire
@@ -41,17 +40,6 @@ def payloads(num_arrays: int, array_bytes: int) -> dict[str, Any]:
 class Echo:
     def echo(self, value: Any) -> Any:
         return value
-
-
-def _median_ms(run: Any, repeats: int) -> float:
-    for _ in range(10):
-        run()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -80,9 +68,9 @@ def main() -> None:
         print("|---|---|---|---|")
         try:
             for name, payload in payloads(args.num_arrays, args.array_bytes).items():
-                call = _median_ms(lambda p=payload: ray.get(plain.echo.remote(p)), args.repeats)
-                graph = _median_ms(lambda p=payload: single.execute(p).get(), args.repeats)
-                two = _median_ms(lambda p=payload: chained.execute(p)[0].get(), args.repeats)
+                call = median_ms(lambda p=payload: ray.get(plain.echo.remote(p)), args.repeats, 10)
+                graph = median_ms(lambda p=payload: single.execute(p).get(), args.repeats, 10)
+                two = median_ms(lambda p=payload: chained.execute(p)[0].get(), args.repeats, 10)
                 print(f"| {name} | {call:.3f} | {graph:.3f} | {two:.3f} |")
         finally:
             single.teardown()

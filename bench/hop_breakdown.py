@@ -236,8 +236,10 @@ def call_parts_ms(
     return {part: 1e3 * statistics.median(values) for part, values in parts.items()}
 
 
-def _median_ms(run: Callable[[], Any], repeats: int) -> float:
-    run()  # warm-up
+def median_ms(run: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median wall ms of `repeats` calls of `run` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        run()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -277,10 +279,10 @@ def hop_table(payload: StepPayload, repeats: int) -> dict[str, float]:
         submitted.append(target.verify.remote(wired_verify_in))
 
     figures = {
-        "wire+pickle (4 values)": _median_ms(serialize, repeats),
-        "submit (.remote only)": _median_ms(submit, repeats),
-        "actor calls, no ref": _median_ms(actor_calls_no_ref, repeats),
-        "actor calls + ref forward": _median_ms(actor_calls, repeats),
+        "wire+pickle (4 values)": median_ms(serialize, repeats),
+        "submit (.remote only)": median_ms(submit, repeats),
+        "actor calls, no ref": median_ms(actor_calls_no_ref, repeats),
+        "actor calls + ref forward": median_ms(actor_calls, repeats),
     }
     ray.get([refs[0] for refs in submitted])
 
@@ -295,14 +297,14 @@ def hop_table(payload: StepPayload, repeats: int) -> dict[str, float]:
         dag = MultiOutputNode([draft, verify, taken])
     graph = dag.experimental_compile()
     try:
-        figures["compiled graph, 2 executions"] = _median_ms(
+        figures["compiled graph, 2 executions"] = median_ms(
             lambda: (
                 ray.get(graph.execute(wired_draft_in, None)),
                 ray.get(graph.execute(None, wired_verify_in)),
             ),
             repeats,
         )
-        figures["compiled graph, 1 execution (overlap)"] = _median_ms(
+        figures["compiled graph, 1 execution (overlap)"] = median_ms(
             lambda: ray.get(graph.execute(wired_draft_in, wired_verify_in)), repeats
         )
     finally:
@@ -358,9 +360,9 @@ def serve_chunk_table(num_chunks: int) -> dict[str, float]:
                 pass
 
     figures = {
-        "serve chunk: handle": _median_ms(lambda: drain(streamer), 5) / num_chunks,
-        "serve chunk: ingress -> handle": _median_ms(lambda: drain(forwarding), 5) / num_chunks,
-        "serve chunk: HTTP proxy -> ingress -> handle": _median_ms(http, 5) / num_chunks,
+        "serve chunk: handle": median_ms(lambda: drain(streamer), 5) / num_chunks,
+        "serve chunk: ingress -> handle": median_ms(lambda: drain(forwarding), 5) / num_chunks,
+        "serve chunk: HTTP proxy -> ingress -> handle": median_ms(http, 5) / num_chunks,
     }
     serve.shutdown()
     return figures
