@@ -52,7 +52,7 @@ from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.models import load_tokenizer
-from ddtree_serve.serve.wire import from_wire, to_wire
+from ddtree_serve.serve.wire import from_wire, pack_features, to_wire
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once upon a time"]
 
@@ -140,7 +140,7 @@ class GraphEchoDrafter:
     def take_context(self, context: Any) -> int:
         # Values read from a channel are zero-copy views of its buffer: keep a copy, or the
         # writer blocks on the next execution.
-        self._context = [] if context is None else from_wire(context, copy=True)
+        self._context = [] if context is None else from_wire(context, copy=True).unpack()
         return len(self._context)
 
 
@@ -252,7 +252,7 @@ def hop_table(payload: StepPayload, repeats: int) -> dict[str, float]:
     """Median ms of each hop for one recorded step (draft + verify unless named otherwise)."""
     wired_draft_in, wired_verify_in = to_wire(payload.draft_input), to_wire(payload.verify_input)
     wired_draft_out, wired_verify_out = to_wire(payload.draft_output), to_wire(payload.verify_output)
-    wired_context = to_wire(payload.context)
+    wired_context = to_wire(pack_features(payload.context))  # as the target worker sends it
 
     def serialize() -> None:
         for value in (payload.draft_input, payload.verify_input):
