@@ -13,9 +13,9 @@ every context slice it missed.
 
 Over a transport that chains a draft to a verify (`DraftChainingTarget`: the compiled step
 graph) and with `chain_drafts`, the serial step with a fixed budget hands each verify the next
-draft of its requests,
-which the drafter runs from the verdict before the step returns: the next step starts with its
-draft done (newcomers draft on their own), and a step costs one round trip to the actors.
+draft of its requests, which the drafter runs from the verdict before the step returns: the
+next step starts with its draft done (newcomers draft on their own), and a step costs one round
+trip to the actors.
 
 A lost drafter (`DrafterUnavailableError`) costs speed only: the loop goes on as in mode "ar"
 until the drafter is available again, then the target re-encodes every running request's

@@ -58,7 +58,7 @@ class _Packer:
     """Collects a value's tensors (on the host) and where each will lie in the buffer."""
 
     def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
+        self.placed: list[tuple[torch.Tensor, WireTensor]] = []
         self.num_bytes = 0
 
     def replace(self, value: Any) -> Any:
@@ -70,7 +70,7 @@ class _Packer:
         if isinstance(value, torch.Tensor):
             tensor = value.detach().cpu()
             placed = WireTensor(self.num_bytes, tuple(tensor.shape), tensor.dtype)
-            self.tensors.append(tensor)
+            self.placed.append((tensor, placed))
             size = tensor.numel() * tensor.element_size()
             self.num_bytes += -(-size // _ALIGN) * _ALIGN
             return placed
@@ -82,15 +82,13 @@ def to_wire(value: Any) -> Any:
     tensors as it is."""
     packer = _Packer()
     structure = packer.replace(value)
-    if not packer.tensors:
+    if not packer.placed:
         return value
     buffer = torch.empty(packer.num_bytes, dtype=torch.uint8)
-    offset = 0
-    for tensor in packer.tensors:
+    for tensor, placed in packer.placed:
         size = tensor.numel() * tensor.element_size()
         if size:  # copied into a view of the buffer: any strides the source has
-            buffer[offset : offset + size].view(tensor.dtype).copy_(tensor.reshape(-1))
-        offset += -(-size // _ALIGN) * _ALIGN
+            buffer[placed.offset : placed.offset + size].view(tensor.dtype).copy_(tensor.reshape(-1))
     return Wired(pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL), buffer.numpy())
 
 

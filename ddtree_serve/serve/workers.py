@@ -248,10 +248,7 @@ class DrafterWorker:
             return None
         for slot in call.releases:
             self.release(slot)
-        if call.inputs is None:
-            return None
-        with self._trace.call("graph_draft") as stamps:
-            return self._draft_delivered(from_wire(call.inputs), call.context_counts, stamps)
+        return self._run_draft_call(call, None)
 
     def graph_take_context(self, delivery: ContextDelivery | None, call: DrafterCall | None) -> Wired:
         """The serial graph's drafter node: releases, then keeps a target call's features per slot
@@ -267,7 +264,12 @@ class DrafterWorker:
             features = from_wire(delivery.features, copy=True).unpack()
             for slot, tensor in zip(delivery.slots, features, strict=True):
                 self._delivered.setdefault(slot, []).append(tensor)
-        if call is None or call.inputs is None:
+        return None if call is None else self._run_draft_call(call, delivery)
+
+    def _run_draft_call(self, call: DrafterCall, delivery: ContextDelivery | None) -> Wired:
+        """The call's draft from the delivered features, if it has one; a chained draft's roots
+        are the bonus tokens of `delivery` (its execution's verify)."""
+        if call.inputs is None:
             return None
         if not call.chained:
             with self._trace.call("graph_draft") as stamps:
