@@ -134,13 +134,15 @@ class SpecEngine:
         # the step drafts and verifies (a streaming caller's time to first token); None: they come
         # with the step's other outputs.
         self.on_first_tokens: Callable[[list[RequestOutput]], None] | None = None
+        self.budget_policy = None
         # The verify graphs a graphed target holds, for the adaptive choice to keep to.
         self.graph_shapes = None
-        if settings.budget_policy == "adaptive" and target.verify_token_buckets is not None:
-            self.graph_shapes = VerifyGraphShapes(target.verify_token_buckets, target.max_seq_len)
-        self.budget_policy = None
         if settings.budget_policy == "adaptive":
             self.budget_policy = budget_policy or self._adaptive_budget()
+            if self.budget_policy.graph_shapes is None and target.verify_token_buckets is not None:
+                shapes = VerifyGraphShapes(target.verify_token_buckets, target.max_seq_len)
+                self.budget_policy.graph_shapes = shapes
+            self.graph_shapes = self.budget_policy.graph_shapes
         if overlap and (self.drafter is None or self.budget_policy is not None):
             raise ValueError("overlap needs a drafter and the fixed budget policy")
         self.overlap = overlap
@@ -163,8 +165,10 @@ class SpecEngine:
         buckets = self.target.verify_token_buckets
         batch_sizes = powers_of_two_upto(self.settings.max_num_seqs)
         build = measure_build_cost(probe, batch_sizes, powers_of_two_upto(self.settings.budget))
+        shapes = None if buckets is None else VerifyGraphShapes(buckets, self.target.max_seq_len)
         if self.settings.cost_curve is not None:
-            return AdaptiveBudget(load_cost_curve(self.settings.cost_curve), build, token_buckets=buckets)
+            cost = load_cost_curve(self.settings.cost_curve)
+            return AdaptiveBudget(cost, build, token_buckets=buckets, graph_shapes=shapes)
         tree_tokens = powers_of_two_upto(self.max_tree_tokens)
         if buckets is not None:
             # A graphed target: calibrate at its graphs' own buckets, which captures now every
@@ -172,11 +176,11 @@ class SpecEngine:
             batch_sizes = buckets_upto(BATCH_BUCKETS, self.settings.max_num_seqs)
             tree_tokens = buckets_upto(buckets, self.max_tree_tokens)
         cost = measure_cost_curve(probe, batch_sizes, tree_tokens)
-        if self.graph_shapes is not None:  # the calibration's verifies captured these graphs
+        if shapes is not None:  # the calibration's verifies captured these graphs
             for batch_size in batch_sizes:
                 for num_nodes in tree_tokens:
-                    self.graph_shapes.record(batch_size, num_nodes, len(probe.prompt))
-        return AdaptiveBudget(cost, build, token_buckets=buckets)
+                    shapes.record(batch_size, num_nodes, len(probe.prompt))
+        return AdaptiveBudget(cost, build, token_buckets=buckets, graph_shapes=shapes)
 
     # ----------------------------------------------------------------------------- requests
 
@@ -486,7 +490,8 @@ class SpecEngine:
     def _build_allocated(
         self, requests: list[Request], draft: DraftOutput, policy: AdaptiveBudget
     ) -> BuiltTrees:
-        """Host trees at the ceiling, cut to the allocation; the stage's time prices the next ceilings.
+        """Host trees at the ceiling, without the nodes deeper than each request can keep, cut
+        to the allocation; the stage's time prices the next ceilings.
 
         The draft covers the first requests only (all, but for a probe): the rest verify their root."""
         started = time.perf_counter()
@@ -502,6 +507,7 @@ class SpecEngine:
         roots = [_bonus(r) for r in requests]
         built = build_host_tree_batch(draft.logp, draft.ids, caps[:drafted], roots[:drafted])
         built = built.with_root_only(roots[drafted:])
+        built = built.within_depth([self._keepable_depth(r) for r in requests])
         allocation = policy.choose(built, caps, captured)
         trees = built.prefix(allocation.num_nodes)
         padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)
@@ -610,12 +616,15 @@ class SpecEngine:
         return min(request.params.draft_budget or self.settings.budget, self.settings.budget)
 
     def _adaptive_cap(self, request: Request) -> int:
-        """Draft nodes the adaptive policy may give `request`: its budget, and no more than the
-        draft tokens it can still keep (a step commits its accepted tokens and one more, up to
-        max_tokens): at the end of a run the last steps would otherwise pay for nodes whose
-        acceptance is cut off, and a request one token from its end needs no draft at all."""
-        tokens_left = self._max_output_tokens(request) - len(request.output_token_ids)
-        return max(0, min(self._budget(request), tokens_left - 1))
+        """Draft nodes the adaptive policy may give `request`: its budget, or none when it can
+        keep no draft token (`_keepable_depth`)."""
+        return self._budget(request) if self._keepable_depth(request) > 0 else 0
+
+    def _keepable_depth(self, request: Request) -> int:
+        """Draft tokens `request` can still keep: a step commits its accepted tokens and one
+        more, up to max_tokens. Its tree's deeper nodes could only be cut off; the node count
+        is not bounded by it (a wide shallow tree still raises the expected acceptance)."""
+        return max(0, self._max_output_tokens(request) - len(request.output_token_ids) - 1)
 
     def _top_k(self, request: Request) -> int:
         return min(self._budget(request), self.vocab_size)

@@ -76,6 +76,33 @@ class TreeBatch:
             np.concatenate([self.num_nodes, np.ones(extra, dtype=np.int64)]),
         )
 
+    def within_depth(self, max_depths: Sequence[int]) -> TreeBatch:
+        """Each row without its nodes deeper than `max_depths[b]`, the rest kept in order.
+
+        The kept nodes are ancestor-closed (an ancestor is shallower) and keep the best-first
+        and sibling orders, so each row is the DDTree of its draft cut to that depth, with a
+        budget of the nodes kept. A request with n tokens left keeps at most n - 1 draft
+        tokens of a step: its deeper nodes could only be cut off, its shallow ones still count.
+        """
+        limits = np.asarray(max_depths, dtype=np.int64)[:, None]
+        width = self.tokens.shape[1]
+        real = np.arange(width) < self.num_nodes[:, None]
+        kept = real & (self.depths <= limits)
+        if np.array_equal(kept, real):
+            return self
+        # A kept node's new index: kept nodes before it; a dropped node's never read.
+        new_index = np.cumsum(kept, axis=1) - 1
+        rows, cols = np.nonzero(kept)
+        targets = new_index[rows, cols]
+        tokens, depths, parents = np.zeros((3, self.batch_size, width), dtype=np.int64)
+        logws = np.zeros((self.batch_size, width))
+        tokens[rows, targets] = self.tokens[rows, cols]
+        depths[rows, targets] = self.depths[rows, cols]
+        logws[rows, targets] = self.logws[rows, cols]
+        old_parents = self.parents[rows, cols]
+        parents[rows, targets] = np.where(old_parents < 0, -1, new_index[rows, np.maximum(old_parents, 0)])
+        return TreeBatch(tokens, depths, parents, logws, kept.sum(axis=1))
+
     def tree(self, row: int) -> DraftTree:
         """Row `row` as a `DraftTree` (views of the planes, no copy)."""
         n = int(self.num_nodes[row])

@@ -30,6 +30,7 @@ class RecordingTarget:
         self.slot_prompts: dict[int, tuple[int, ...]] = {}
         self.verify_batch_sizes: list[int] = []
         self.verify_num_nodes: list[int] = []
+        self.verify_max_depths: list[int] = []
 
     @property
     def vocab_size(self) -> int:
@@ -55,6 +56,7 @@ class RecordingTarget:
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
         self.verify_batch_sizes.append(len(inputs.slots))
         self.verify_num_nodes.append(int(inputs.batch.num_nodes.sum()))
+        self.verify_max_depths.append(inputs.batch.max_depth)
         return self.inner.verify_and_commit(inputs)
 
     def encode_context(self, inputs: EncodeInput) -> ContextHandle:

@@ -130,3 +130,31 @@ def test_the_cost_curve_learns_the_width_the_verify_ran():
     policy.observe(short.prefix(allocation.num_nodes), [[]], padded_num_nodes=17)
     policy.learn()
     assert allocation.num_nodes == (4,) and observed == [17]
+
+
+def test_an_engine_given_a_policy_keeps_to_the_graphs_its_target_captured(
+    make_pair_config, prompt_ids, pair_tokenizer, tmp_path
+):
+    """The captured shapes are the target's and go with the policy: a second engine over the
+    same target and policy (a benchmark's) drafts only widths the first one's steps captured."""
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3)
+    target, drafter = GraphedTarget(build_target_step(config)), build_draft_step(config)
+    moderate = tmp_path / "moderate.json"
+    moderate.write_text(json.dumps({"tokens": [1, 64], "ms": [10.0, 30.0], "draft_ms": 1.0}))
+    adaptive = {"budget_policy": "adaptive", "cost_curve": str(moderate)}
+    settings = config.model_copy(update=adaptive).to_settings()
+    first = SpecEngine(settings, target, drafter, pair_tokenizer)
+    steer_by_the_file(first)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for i, prompt in enumerate(prompt_ids):
+        first.add_request(f"first-{i}", prompt, params)
+    run_to_completion(first)
+    captured = set(target.keys)
+    target.keys.clear()
+    second = SpecEngine(settings, target, drafter, pair_tokenizer, budget_policy=first.budget_policy)
+    assert second.graph_shapes is first.graph_shapes is not None
+    for i, prompt in enumerate(prompt_ids):
+        second.add_request(f"second-{i}", prompt, params)
+    run_to_completion(second)
+    drafted = {key for key in target.keys if key[1] > 1}  # plain steps' root-only verifies aside
+    assert drafted and drafted <= captured

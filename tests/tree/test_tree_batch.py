@@ -65,3 +65,25 @@ def test_a_tree_larger_than_n_max_is_refused() -> None:
     logp, ids = draft_topk(torch.randn(3, 9), 3)
     with pytest.raises(ValueError, match="n_max"):
         TreeBatch.from_trees([build_ddtree(logp, ids, 5, 0)]).verify_batch(n_max=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(draft=draft_batches(), data=st.data())
+def test_a_depth_cut_is_the_best_first_tree_of_the_shorter_draft(draft, data) -> None:
+    """Dropping the nodes deeper than a row's limit leaves that row's DDTree over the draft's
+    first `limit` positions, at a budget of the nodes kept (root and padding rows included)."""
+    logp, ids, budgets, _ = draft
+    trees = best_first_trees(logp, ids, budgets)
+    limits = [data.draw(st.integers(0, logp.shape[1] + 1)) for _ in budgets]
+    cut = TreeBatch.from_trees(trees).with_root_only([40]).within_depth([*limits, 0])
+    kept = cut.num_nodes.tolist()
+    shorter = [
+        build_ddtree(logp[b, :limit], ids[b, :limit], kept[b] - 1, 5 + b)
+        if limit
+        else build_chain(np.empty(0, dtype=np.int64), 5 + b)
+        for b, limit in enumerate(limits)
+    ]
+    root = build_chain(np.empty(0, dtype=np.int64), 40)
+    assert_same_batch(cut.verify_batch(), build_verify_batch([*shorter, root]))
+    deeper = [int(tree.depths.max(initial=0)) > limit for tree, limit in zip(trees, limits, strict=True)]
+    assert [n < tree.num_nodes for n, tree in zip(kept[:-1], trees, strict=True)] == deeper

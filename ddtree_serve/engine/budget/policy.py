@@ -31,6 +31,7 @@ from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
 from ddtree_serve.engine.budget.draft_gate import DraftGate
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
+from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
 from ddtree_serve.tree import TreeBatch
 
 CALIBRATION_STEPS = 4
@@ -84,9 +85,13 @@ class AdaptiveBudget:
         layout: TokenLayout = "padded",
         token_buckets: Sequence[int] | None = None,
         learning_steps: int = LEARNING_STEPS,
+        graph_shapes: VerifyGraphShapes | None = None,
     ) -> None:
         """`build`: the host build's cost (default: free, so only the forwards are priced).
         `token_buckets`: the tree tokens a graphed target pads each verify to (None: eager).
+        `graph_shapes`: the verify graphs that target has captured (the calibration's, then
+        each step's, recorded by the engine): they are the target's, so they go with the
+        policy to any engine over it (a benchmark's engines share one calibrated policy).
         `learning_steps`: drafted steps taught to the calibrator before drafting may be judged
         a loss (`LEARNING_STEPS`; 0: the gate judges from the first curve)."""
         self.cost = cost
@@ -95,6 +100,7 @@ class AdaptiveBudget:
         self.gate = gate or DraftGate()
         self.layout = layout  # the engine pads every tree of a batch to the widest
         self.token_buckets = None if token_buckets is None else tuple(token_buckets)
+        self.graph_shapes = graph_shapes
         self.overhead = StepOverhead()
         self.learning_steps = learning_steps
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
