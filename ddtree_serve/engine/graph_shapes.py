@@ -4,11 +4,14 @@ A graphed target captures one CUDA graph per (batch bucket, tree-token bucket, c
 bucket) the first time a step meets it (`models.cuda_graphs.verify_bucket`); on the H200 a
 capture costs ~18 ms, five steps of the bundled pair. The start-up calibration captures every
 width at short contexts, but once the batch's contexts cross into the next row bucket every
-width is new again. A fixed budget meets one width there and pays one capture; an adaptive
-budget that moves between widths paid one per width (20 ms steps in a 4 ms stream at 256
-tokens on the H200). So the engine remembers the shapes it has verified and the adaptive
-choice takes its widths among the captured ones; where none is (a new row bucket) it chooses
-freely, as a fixed budget would.
+width is new again. The allocator's widths vary step to step (9, 17, 20, 33 nodes...): an
+adaptive budget that verified each at its own width paid a capture per width (20 ms steps in
+a 4 ms stream at 256 tokens on the H200). A step may verify only in a graph already captured
+for its batch and context, or in its ceiling's own bucket (`allowed_buckets`): a tree narrower
+than the ceiling is padded to the nearest of those. So a bucket captures at most one graph per
+ceiling the gate takes there (a handful of powers of two), and a width met first never caps the
+ceilings after it (the sweep at c = 8 verified 15 nodes a step for a whole run where the gate
+chose 32).
 """
 
 from collections.abc import Sequence
@@ -32,16 +35,26 @@ class VerifyGraphShapes:
             padded_batch, padded_nodes, num_rows = key
             self._captured.setdefault((padded_batch, num_rows), set()).add(padded_nodes)
 
-    def captured_buckets(self, batch_size: int, max_start: int) -> tuple[int, ...] | None:
-        """Tree-token buckets whose graph exists for this batch and context, ascending; None
-        when no drafted width has one (every width would capture: choose freely)."""
+    def captured_buckets(self, batch_size: int, max_start: int) -> tuple[int, ...]:
+        """Tree-token buckets whose graph exists for this batch and context, ascending."""
         padded_batch = pick_bucket(batch_size, BATCH_BUCKETS)
         captured = []
         for bucket in self.token_buckets:  # a wider tree may read the next row bucket
             num_rows = row_bucket(max_start + bucket, self.max_seq_len)
             if num_rows is not None and bucket in self._captured.get((padded_batch, num_rows), ()):
                 captured.append(bucket)
-        return tuple(captured) if any(bucket > 1 for bucket in captured) else None
+        return tuple(captured)
+
+    def allowed_buckets(self, batch_size: int, max_start: int, ceiling: int) -> tuple[int, ...] | None:
+        """Tree-token buckets a step of trees of at most `ceiling` draft nodes may verify in,
+        ascending: the captured ones up to the ceiling's bucket, and that bucket (a new graph the
+        first time). None when no bucket holds the ceiling's trees in this context (the target
+        runs them eagerly: any width)."""
+        wanted = pick_bucket(ceiling + 1, self.token_buckets)
+        if wanted is None or row_bucket(max_start + wanted, self.max_seq_len) is None:
+            return None
+        captured = self.captured_buckets(batch_size, max_start)
+        return tuple(sorted({*(bucket for bucket in captured if bucket < wanted), wanted}))
 
     @staticmethod
     def padded_nodes(num_nodes: int, buckets: Sequence[int] | None) -> int | None:

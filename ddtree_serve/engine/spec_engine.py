@@ -500,9 +500,7 @@ class SpecEngine:
         ceiling = policy.ceiling
         if self.graph_shapes is not None:
             max_start = max(r.num_cached_tokens for r in requests)
-            captured = self.graph_shapes.captured_buckets(len(requests), max_start)
-            if captured is not None:  # no tree wider than a captured graph is built
-                ceiling = min(ceiling, captured[-1] - 1)
+            captured = self.graph_shapes.allowed_buckets(len(requests), max_start, ceiling)
         caps = [min(self._adaptive_cap(r), ceiling) if i < drafted else 0 for i, r in enumerate(requests)]
         roots = [_bonus(r) for r in requests]
         built = build_host_tree_batch(draft.logp, draft.ids, caps[:drafted], roots[:drafted])

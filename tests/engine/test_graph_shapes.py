@@ -11,7 +11,7 @@ from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
 from ddtree_serve.engine.interfaces import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
-from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS, verify_bucket
+from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS, pick_bucket, verify_bucket
 from ddtree_serve.tree import TreeBatch, build_chain
 from tests.engine.conftest import run_to_completion
 from tests.engine.fakes import RecordingTarget
@@ -24,8 +24,8 @@ def test_captured_buckets_are_per_batch_bucket_and_row_bucket():
     shapes.record(4, 33, max_start=8)
     shapes.record(4, 1, max_start=300)
     assert shapes.captured_buckets(3, max_start=20) == (17, 33)  # batch 3 runs batch 4's graphs
-    assert shapes.captured_buckets(8, max_start=20) is None  # another batch bucket
-    assert shapes.captured_buckets(4, max_start=300) is None  # rows 512: only the root-only graph
+    assert shapes.captured_buckets(8, max_start=20) == ()  # another batch bucket
+    assert shapes.captured_buckets(4, max_start=300) == (1,)  # rows 512: the root-only graph
     shapes.record(4, 9, max_start=300)
     assert shapes.captured_buckets(4, max_start=300) == (1, 9)
     # At 240 cached tokens the rows a width reads depend on it: 240 + 33 is the 512-row bucket.
@@ -34,6 +34,16 @@ def test_captured_buckets_are_per_batch_bucket_and_row_bucket():
     assert VerifyGraphShapes.padded_nodes(10, (1, 17, 33)) == 17
     assert VerifyGraphShapes.padded_nodes(18, (1, 17, 33)) == 33
     assert VerifyGraphShapes.padded_nodes(10, None) is None
+
+
+def test_a_step_may_verify_in_a_captured_graph_or_its_ceilings_own():
+    shapes = VerifyGraphShapes(TOKEN_BUCKETS, max_seq_len=1024)
+    shapes.record(4, 17, max_start=8)
+    shapes.record(4, 64, max_start=8)
+    assert shapes.allowed_buckets(4, max_start=8, ceiling=32) == (17, 33)  # 64 is past the ceiling
+    assert shapes.allowed_buckets(4, max_start=8, ceiling=16) == (17,)
+    assert shapes.allowed_buckets(8, max_start=8, ceiling=8) == (9,)  # nothing captured: its own
+    assert shapes.allowed_buckets(4, max_start=1000, ceiling=32) is None  # past the cache: eager
 
 
 def test_the_widest_tree_fills_a_captured_bucket():
@@ -45,12 +55,15 @@ def test_the_widest_tree_fills_a_captured_bucket():
 
 
 class GraphedTarget(RecordingTarget):
-    """The CPU target, claiming graph buckets; records each verify's graph key."""
+    """The CPU target, claiming graph buckets; records each verify's graph key, and the gate's
+    ceiling when it is given the policy."""
 
     def __init__(self, inner) -> None:
         super().__init__(inner)
         self.cached: dict[int, int] = {}
         self.keys: list[tuple[int, int, int]] = []
+        self.ceilings: list[int] = []
+        self.policy: AdaptiveBudget | None = None
 
     @property
     def verify_token_buckets(self) -> tuple[int, ...] | None:
@@ -65,16 +78,18 @@ class GraphedTarget(RecordingTarget):
         max_start = max(self.cached[slot] for slot in inputs.slots)
         key = verify_bucket(len(inputs.slots), inputs.batch.padded_num_nodes, max_start, self.max_seq_len)
         self.keys.append(key)
+        self.ceilings.append(0 if self.policy is None else self.policy.ceiling)
         output = super().verify_and_commit(inputs)
         self.cached.update(zip(inputs.slots, output.num_cached_tokens, strict=True))
         return output
 
 
-def test_past_the_calibrated_rows_each_batch_keeps_one_drafted_width(
+def test_past_the_calibrated_rows_each_width_is_a_ceilings_bucket(
     make_pair_config, prompt_ids, pair_tokenizer, tmp_path
 ):
     """Contexts cross from the 256-row bucket into the 512 one: every drafted verify there runs
-    the width its first one captured, and the output is still plain greedy decoding's."""
+    the bucket of a ceiling the gate chose in that (batch, rows) bucket, never the allocator's
+    own width (a capture per width), and the output is still plain greedy decoding's."""
     config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, max_seq_len=1024)
     target = GraphedTarget(build_target_step(config))
     params = SamplingParams(max_tokens=300, ignore_eos=True)
@@ -83,20 +98,26 @@ def test_past_the_calibrated_rows_each_batch_keeps_one_drafted_width(
         plain.add_request(str(i), prompt, params)
     expected = run_to_completion(plain)
     target.keys.clear()
-    moderate = tmp_path / "moderate.json"  # nodes priced so widths vary (8, 9, 16, 17) unkept
+    target.ceilings.clear()
+    moderate = tmp_path / "moderate.json"  # nodes priced so the allocator's widths vary (8-17)
     moderate.write_text(json.dumps({"tokens": [1, 64], "ms": [10.0, 30.0], "draft_ms": 1.0}))
     adaptive_config = config.model_copy(update={"budget_policy": "adaptive", "cost_curve": str(moderate)})
     engine = SpecEngine(adaptive_config.to_settings(), target, build_draft_step(config), pair_tokenizer)
     steer_by_the_file(engine)
+    target.policy = engine.budget_policy
     for i, prompt in enumerate(prompt_ids):
         engine.add_request(str(i), prompt, params)
     assert run_to_completion(engine) == expected
-    widths: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for padded_batch, padded_nodes, num_rows in target.keys:
-        if num_rows > 256 and padded_nodes > 1:
-            widths[padded_batch, num_rows].add(padded_nodes)
-    assert widths, "no drafted step ran past the first row bucket"
-    assert all(len(seen) == 1 for seen in widths.values()), dict(widths)
+    ceilings_seen: dict[tuple[int, int], set[int]] = defaultdict(set)
+    past_first_rows = 0
+    for (padded_batch, padded_nodes, num_rows), ceiling in zip(target.keys, target.ceilings, strict=True):
+        if padded_nodes == 1:
+            continue  # a plain step
+        buckets = ceilings_seen[padded_batch, num_rows]
+        buckets.add(pick_bucket(ceiling + 1, TOKEN_BUCKETS))
+        assert padded_nodes in buckets, (padded_nodes, ceiling, buckets)
+        past_first_rows += num_rows > 256
+    assert past_first_rows, "no drafted step ran past the first row bucket"
 
 
 def confident_policy() -> tuple[AdaptiveBudget, TreeBatch, int]:

@@ -4,8 +4,8 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
     plan(caps)                    before drafting: the step's tree ceiling, 0 = a plain decode
                                   step (root-only trees); the drafter's top-K and the build use it
     record_draft_ms(ms, catching_up)  after the drafter call, when there was one
-    choose(trees, caps, captured) trees built at the ceiling (or the widest captured verify
-                                  graph, `graph_shapes.py`) -> draft nodes per request
+    choose(trees, caps, captured) trees built at the ceiling, and the verify graphs the step may
+                                  run (`graph_shapes.py`) -> draft nodes per request
     record_build_ms(ms)           after the build stage (trees, choice, verify buffers)
     record_verify_ms(ms)          after the verify call
     observe(trees, accepted, n)   the verified trees (padded to n nodes) and their accepted nodes: the step's
@@ -176,10 +176,11 @@ class AdaptiveBudget:
     ) -> Allocation:
         """Draft nodes per request for trees built at their ceiling (`caps[i]` at most).
 
-        `captured`: the tree-token buckets a graphed target has graphs for at this step's batch
-        and context (`graph_shapes.py`; None: any of `token_buckets`): the widest tree then
-        fills one of them, so the step captures nothing new; a step they cut below the gate's
-        ceiling teaches that ceiling no step time (it ran a narrower verify).
+        `captured`: the tree-token buckets a graphed target may verify this step's batch in
+        (`graph_shapes.allowed_buckets`: its captured graphs and the ceiling's own; None: any of
+        `token_buckets`): the widest tree then fills one of them, so the step captures no graph
+        but the ceiling's; a step they cut below the gate's ceiling teaches that ceiling no
+        step time (it ran a narrower verify).
         The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
         the choice runs every step, so its work is a few array operations whatever the batch."""
         self.learn()
