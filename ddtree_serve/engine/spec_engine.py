@@ -25,7 +25,6 @@ cached text into a whole new context for it (`_restore_drafter`), and speculatio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -136,8 +135,6 @@ class SpecEngine:
         # with the step's other outputs.
         self.on_first_tokens: Callable[[list[RequestOutput]], None] | None = None
         self.budget_policy = None
-        # Runs the adaptive policy's `learn` beside each verify (`_verify`).
-        self._learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="budget-learn")
         # The verify graphs a graphed target holds, for the adaptive choice to keep to.
         self.graph_shapes = None
         if settings.budget_policy == "adaptive":
@@ -329,13 +326,19 @@ class SpecEngine:
             self._lose_drafter(error)
             return None
         if self.budget_policy is not None:
-            # The top-K to the host (the build's one copy, made here), so the drafter's time is
-            # the draft stage's.
+            # The last step's lesson while the drafter's kernels run; then its top-K to the
+            # host (the build's one copy, made here), so the drafter's time is the draft stage's.
+            # A draft already on the host (a CPU drafter, a remote one) ran before the lesson,
+            # which then hides nothing: its time is not the drafter's.
+            learning_started = time.perf_counter()
+            self.budget_policy.learn()
+            learn_ms = 1000.0 * (time.perf_counter() - learning_started)
+            synchronous = draft.logp.device.type == "cpu"
             logp, ids = topk_on_host(draft.logp, draft.ids)
             draft = DraftOutput(logp, ids, draft.num_context_tokens)
+            draft_ms = 1000.0 * (time.perf_counter() - started) - (learn_ms if synchronous else 0.0)
             self.budget_policy.record_draft_ms(
-                1000.0 * (time.perf_counter() - started),
-                catching_up=catching_up or self.budget_policy.probing,
+                draft_ms, catching_up=catching_up or self.budget_policy.probing
             )
         for request in requests:
             request.pending_contexts = []
@@ -525,18 +528,10 @@ class SpecEngine:
             verdict = pending_verdict.result()
             self._carried = _CarriedDraft(list(requests), pending_draft)
             return verdict
-        if self.budget_policy is None:
-            return self.target.verify_and_commit(inputs)
-        # The last step's lesson on the learner's thread while the verify waits for its device
-        # (or its actor) without the GIL: on the H200 it was 0.3 ms of a 4.5 ms step.
-        lesson = self._learner.submit(self.budget_policy.learn)
         started = time.perf_counter()
-        try:
-            verdict = self.target.verify_and_commit(inputs)
-            verify_ms = 1000.0 * (time.perf_counter() - started)
-        finally:
-            lesson.result()  # the policy is the engine thread's again (and a lesson's error its own)
-        self.budget_policy.record_verify_ms(verify_ms)
+        verdict = self.target.verify_and_commit(inputs)
+        if self.budget_policy is not None:
+            self.budget_policy.record_verify_ms(1000.0 * (time.perf_counter() - started))
         return verdict
 
     def _verify_input(self, requests: list[Request], trees: BuiltTrees) -> VerifyInput:

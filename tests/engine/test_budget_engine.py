@@ -9,7 +9,6 @@ sampling must follow the target's distribution.
 
 import dataclasses
 import json
-import threading
 from collections import Counter
 
 import pytest
@@ -247,33 +246,3 @@ def test_no_request_verifies_draft_tokens_it_cannot_keep(
         tokens = [*prompt, *outputs[0].token_ids] if outputs and outputs[0].finished else None
     assert tokens == greedy_references[tuple(prompt)][: len(prompt) + max_tokens]
     assert wide_and_shallow > 0  # a tree kept more nodes than its request could keep tokens
-
-
-def test_the_last_lesson_is_learned_beside_the_verify(
-    make_oracle_engine, greedy_references, prompt_ids, cost_files
-):
-    """Each verify runs while the policy learns the last step's lesson on the learner's thread
-    (the verify here waits for that lesson to be learned), and the output is still the target's."""
-    engine, target = make_oracle_engine(
-        "ddtree", budget=8, max_num_seqs=1, budget_policy="adaptive", cost_curve=cost_files["free_nodes"]
-    )
-    steer_by_the_file(engine)
-    policy, learned, overlapped = engine.budget_policy, threading.Event(), []
-    learn, verify = policy.learn, target.verify_and_commit
-
-    def learn_and_tell() -> None:
-        learn()
-        if threading.current_thread() is not threading.main_thread():
-            learned.set()
-
-    def verify_after_the_lesson(inputs):
-        overlapped.append(learned.wait(timeout=10.0))
-        learned.clear()
-        return verify(inputs)
-
-    policy.learn, target.verify_and_commit = learn_and_tell, verify_after_the_lesson
-    prompt = prompt_ids[0]
-    engine.add_request("0", prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
-    outputs, steps = run_recording_steps(engine)
-    assert [*prompt, *outputs["0"]] == greedy_references[tuple(prompt)]
-    assert len(overlapped) == len(steps) and all(overlapped)

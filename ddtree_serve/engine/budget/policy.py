@@ -14,10 +14,8 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
                                   (`step_overhead.py`), and how far the gate's prediction for
                                   its ceiling was off (`step_residual.py`)
     learn()                       the observed step's lesson, calibration and cost refresh: the
-                                  engine runs it beside the next step's verify, on a thread of
-                                  its own (the verify waits for the device without the GIL), so
-                                  `choose` allocates with the model one lesson behind; `observe`
-                                  calls it first, so no lesson is skipped
+                                  engine calls it while the next step's drafter runs; `choose`
+                                  and `observe` call it first, so no lesson is skipped
 The trees verified are best-first prefixes of the ones built (`TreeBatch.prefix`), so the
 choice reads drafter outputs only and verification stays lossless.
 """
@@ -184,9 +182,8 @@ class AdaptiveBudget:
         but the ceiling's; a step they cut below the gate's ceiling teaches that ceiling no
         step time (it ran a narrower verify).
         The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
-        the choice runs every step, so its work is a few array operations whatever the batch.
-        The last step's lesson may still be pending (the engine learns it beside this step's
-        verify): one step moves the calibration and the costs little."""
+        the choice runs every step, so its work is a few array operations whatever the batch."""
+        self.learn()
         self._graph_capped = captured is not None and captured[-1] - 1 < self._ceiling
         lengths = trees.num_nodes - 1
         width = int(lengths.max(initial=0))
@@ -225,8 +222,8 @@ class AdaptiveBudget:
         `padded_num_nodes`: the nodes per tree the verify ran (default: the widest tree's).
 
         The step's record is made now; what it teaches (only drafted steps teach the calibrator,
-        every timed call refreshes the cost curve) waits for `learn`, which the engine runs
-        beside the next step's verify, so the lesson costs the step no time of its own.
+        every timed call refreshes the cost curve) waits for `learn`, which the engine calls
+        while the next step's drafter runs, so the lesson costs the step no time of its own.
         """
         self.learn()  # a lesson never waits behind another: they are learned in step order
         batch_size = trees.batch_size
