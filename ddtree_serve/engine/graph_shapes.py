@@ -11,7 +11,8 @@ for its batch and context, or in its ceiling's own bucket (`allowed_buckets`): a
 than the ceiling is padded to the nearest of those. So a bucket captures at most one graph per
 ceiling the gate takes there (a handful of powers of two), and a width met first never caps the
 ceilings after it (the sweep at c = 8 verified 15 nodes a step for a whole run where the gate
-chose 32).
+chose 32). Near the end of the cache, where a ceiling's bucket would read past it, the step
+keeps to the captured graphs that fit.
 """
 
 from collections.abc import Sequence
@@ -47,13 +48,17 @@ class VerifyGraphShapes:
 
     def allowed_buckets(self, batch_size: int, max_start: int, ceiling: int) -> tuple[int, ...] | None:
         """Tree-token buckets a step of trees of at most `ceiling` draft nodes may verify in,
-        ascending: the captured ones up to the ceiling's bucket, and that bucket (a new graph the
-        first time). None when no bucket holds the ceiling's trees in this context (the target
-        runs them eagerly: any width)."""
-        wanted = pick_bucket(ceiling + 1, self.token_buckets)
-        if wanted is None or row_bucket(max_start + wanted, self.max_seq_len) is None:
+        ascending: the captured ones below the ceiling's bucket, and that bucket (a new graph the
+        first time). Near the end of the cache, where the ceiling's bucket would read past it,
+        the captured ones alone (the trees are cut to the widest). None where the batch has no
+        graphs (past the largest batch bucket: eager at any width), or, near the end of the
+        cache, none is captured (the widths are free there)."""
+        if pick_bucket(batch_size, BATCH_BUCKETS) is None:
             return None
         captured = self.captured_buckets(batch_size, max_start)
+        wanted = pick_bucket(ceiling + 1, self.token_buckets)
+        if wanted is None or row_bucket(max_start + wanted, self.max_seq_len) is None:
+            return captured or None
         return tuple(sorted({*(bucket for bucket in captured if bucket < wanted), wanted}))
 
     @staticmethod

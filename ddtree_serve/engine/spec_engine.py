@@ -497,13 +497,17 @@ class SpecEngine:
         started = time.perf_counter()
         drafted = len(draft.num_context_tokens)  # checked against the drafted requests in `_draft`
         captured = None
-        ceiling = policy.ceiling
+        caps = [
+            min(self._adaptive_cap(r), policy.ceiling) if i < drafted else 0 for i, r in enumerate(requests)
+        ]
         if self.graph_shapes is not None:
             max_start = max(r.num_cached_tokens for r in requests)
-            captured = self.graph_shapes.allowed_buckets(len(requests), max_start, ceiling)
-        caps = [min(self._adaptive_cap(r), ceiling) if i < drafted else 0 for i, r in enumerate(requests)]
+            captured = self.graph_shapes.allowed_buckets(len(requests), max_start, max(caps))
+        # No tree wider than the widest graph the step may run is built (`choose` cuts the caps
+        # alike, and tells the gate when that cut its ceiling).
+        widest = caps if captured is None else [min(cap, captured[-1] - 1) for cap in caps]
         roots = [_bonus(r) for r in requests]
-        built = build_host_tree_batch(draft.logp, draft.ids, caps[:drafted], roots[:drafted])
+        built = build_host_tree_batch(draft.logp, draft.ids, widest[:drafted], roots[:drafted])
         built = built.with_root_only(roots[drafted:])
         built = built.within_depth([self._keepable_depth(r) for r in requests])
         allocation = policy.choose(built, caps, captured)

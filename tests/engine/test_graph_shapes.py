@@ -43,7 +43,11 @@ def test_a_step_may_verify_in_a_captured_graph_or_its_ceilings_own():
     assert shapes.allowed_buckets(4, max_start=8, ceiling=32) == (17, 33)  # 64 is past the ceiling
     assert shapes.allowed_buckets(4, max_start=8, ceiling=16) == (17,)
     assert shapes.allowed_buckets(8, max_start=8, ceiling=8) == (9,)  # nothing captured: its own
-    assert shapes.allowed_buckets(4, max_start=1000, ceiling=32) is None  # past the cache: eager
+    assert shapes.allowed_buckets(300, max_start=8, ceiling=8) is None  # no batch bucket: eager
+    # Near the end of the cache the ceiling's bucket would read past it: the captured that fit.
+    shapes.record(4, 17, max_start=1000)
+    assert shapes.allowed_buckets(4, max_start=1000, ceiling=32) == (17,)
+    assert shapes.allowed_buckets(8, max_start=1000, ceiling=32) is None  # none there: free
 
 
 def test_the_widest_tree_fills_a_captured_bucket():
@@ -157,7 +161,8 @@ def test_an_engine_given_a_policy_keeps_to_the_graphs_its_target_captured(
     make_pair_config, prompt_ids, pair_tokenizer, tmp_path
 ):
     """The captured shapes are the target's and go with the policy: a second engine over the
-    same target and policy (a benchmark's) drafts only widths the first one's steps captured."""
+    same target and policy (a benchmark's) reads the same record (where the first one drafted,
+    the second verifies in the graphs it captured: its ceilings' buckets are among them)."""
     config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3)
     target, drafter = GraphedTarget(build_target_step(config)), build_draft_step(config)
     moderate = tmp_path / "moderate.json"

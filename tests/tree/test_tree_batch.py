@@ -85,5 +85,7 @@ def test_a_depth_cut_is_the_best_first_tree_of_the_shorter_draft(draft, data) ->
     ]
     root = build_chain(np.empty(0, dtype=np.int64), 40)
     assert_same_batch(cut.verify_batch(), build_verify_batch([*shorter, root]))
+    for b, tree in enumerate(shorter):  # the log-weights the policy reads come along too
+        np.testing.assert_array_equal(cut.tree(b).logws, tree.logws)
     deeper = [int(tree.depths.max(initial=0)) > limit for tree, limit in zip(trees, limits, strict=True)]
     assert [n < tree.num_nodes for n, tree in zip(kept[:-1], trees, strict=True)] == deeper

@@ -184,7 +184,8 @@ class AdaptiveBudget:
         The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
         the choice runs every step, so its work is a few array operations whatever the batch."""
         self.learn()
-        self._graph_capped = captured is not None and captured[-1] - 1 < self._ceiling
+        widest = min(self._ceiling, max(caps, default=0))  # what the step's trees may reach
+        self._graph_capped = captured is not None and captured[-1] - 1 < widest
         lengths = trees.num_nodes - 1
         width = int(lengths.max(initial=0))
         built = np.arange(width) < lengths[:, None]
