@@ -301,16 +301,14 @@ def main() -> None:
         choices=["actor_calls", "compiled_graph"],
         help="Served transports to compare (placement.transport).",
     )
-    parser.add_argument(
-        "--overlap", nargs="+", default=["off"], choices=["off", "on"], help="placement.overlap values."
-    )
-    parser.add_argument(
-        "--chain-drafts",
-        nargs="+",
-        default=["off"],
-        choices=["off", "on"],
-        help="placement.chain_drafts values (compiled graph, serial: next draft in the verify's execution).",
-    )
+    for flag, help_text in (
+        ("--overlap", "placement.overlap values."),
+        (
+            "--chain-drafts",
+            "placement.chain_drafts values (compiled graph, serial: next draft in the verify's execution).",
+        ),
+    ):
+        parser.add_argument(flag, nargs="+", default=["off"], choices=["off", "on"], help=help_text)
     parser.add_argument(
         "--stream-batching-interval-ms",
         type=float,

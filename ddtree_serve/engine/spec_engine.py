@@ -135,14 +135,11 @@ class SpecEngine:
         # with the step's other outputs.
         self.on_first_tokens: Callable[[list[RequestOutput]], None] | None = None
         self.budget_policy = None
-        # The verify graphs a graphed target holds, for the adaptive choice to keep to.
-        self.graph_shapes = None
         if settings.budget_policy == "adaptive":
             self.budget_policy = budget_policy or self._adaptive_budget()
             if self.budget_policy.graph_shapes is None and target.verify_token_buckets is not None:
                 shapes = VerifyGraphShapes(target.verify_token_buckets, target.max_seq_len)
                 self.budget_policy.graph_shapes = shapes
-            self.graph_shapes = self.budget_policy.graph_shapes
         if overlap and (self.drafter is None or self.budget_policy is not None):
             raise ValueError("overlap needs a drafter and the fixed budget policy")
         self.overlap = overlap
@@ -157,6 +154,12 @@ class SpecEngine:
         # to the last serial verify (None: none yet).
         self._carried: _CarriedDraft | None = None
 
+    @property
+    def graph_shapes(self) -> VerifyGraphShapes | None:
+        """The verify graphs a graphed target holds, for the adaptive choice to keep to (the
+        policy's record: they are the target's)."""
+        return None if self.budget_policy is None else self.budget_policy.graph_shapes
+
     def _adaptive_budget(self) -> AdaptiveBudget:
         """The adaptive policy over the configured cost file, or a curve measured now (slots empty)."""
         if self.settings.mode != "ddtree" or self.drafter is None:
@@ -165,10 +168,9 @@ class SpecEngine:
         buckets = self.target.verify_token_buckets
         batch_sizes = powers_of_two_upto(self.settings.max_num_seqs)
         build = measure_build_cost(probe, batch_sizes, powers_of_two_upto(self.settings.budget))
+        if self.settings.cost_curve is not None:  # no graph captured yet: the caller records them
+            return AdaptiveBudget(load_cost_curve(self.settings.cost_curve), build, token_buckets=buckets)
         shapes = None if buckets is None else VerifyGraphShapes(buckets, self.target.max_seq_len)
-        if self.settings.cost_curve is not None:
-            cost = load_cost_curve(self.settings.cost_curve)
-            return AdaptiveBudget(cost, build, token_buckets=buckets, graph_shapes=shapes)
         tree_tokens = powers_of_two_upto(self.max_tree_tokens)
         if buckets is not None:
             # A graphed target: calibrate at its graphs' own buckets, which captures now every
