@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -35,6 +34,7 @@ from ray import serve
 from ddtree_serve.serve.app import build_app, serve_start_options
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.local_cluster import LocalClusterSpec, local_cluster
+from ddtree_serve.serve.ports import free_port
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "for i in range(10):"]
@@ -143,12 +143,6 @@ async def ramp(run: Run, config: ServeConfig, args: argparse.Namespace) -> None:
         await asyncio.gather(*(task for task, _ in clients))
     done.set()
     await sampler
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_policy(policy: str, args: argparse.Namespace) -> Run:

@@ -52,6 +52,7 @@ from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.models import load_tokenizer
+from ddtree_serve.serve.ports import free_port
 from ddtree_serve.serve.wire import from_wire, pack_features, to_wire
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once upon a time"]
@@ -344,7 +345,7 @@ def serve_chunk_table(num_chunks: int) -> dict[str, float]:
 
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"port": port})
     forwarder = serve.run(Forwarder.bind(Streamer.bind()), name="hops", route_prefix="/")
     streamer = serve.get_deployment_handle("Streamer", app_name="hops").options(stream=True)
@@ -475,14 +476,6 @@ def _take_traces(target: Any, drafter: Any) -> tuple[list[Any], list[Any]]:
         for calls in stamper.calls.values():
             calls.clear()
     return tuple(ray.get([w.actor.take_call_trace.remote() for w in (target, drafter)]))  # type: ignore[return-value]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def main() -> None:

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -42,6 +41,7 @@ from ddtree_serve.engine.async_llm import AsyncLLM
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.ports import free_port
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -167,12 +167,6 @@ def engine_request(llm: AsyncLLM, max_tokens: int) -> TimedRequest:
             yield len(output.delta_token_ids)
 
     return lambda prompt: _timed(chunks(prompt))
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def run_all(
@@ -340,7 +334,7 @@ def main() -> None:
         if c == "off" or (t == "compiled_graph" and o == "off")  # chaining changes nothing elsewhere
     ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
-    ports = {"http": {"port": _free_port()}, "grpc": {"port": _free_port()}}
+    ports = {"http": {"port": free_port()}, "grpc": {"port": free_port()}}
     configs = [
         ServeConfig(
             app_name=_app_name(transport, overlap, chained, interval),

@@ -20,7 +20,6 @@ starts a new group.
 """
 
 import dataclasses
-import socket
 import uuid
 from typing import Any
 
@@ -42,6 +41,7 @@ from ddtree_serve.engine.interfaces import (
 )
 from ddtree_serve.models.parallel import RankSpec
 from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.ports import free_port
 from ddtree_serve.serve.wire import from_wire, to_wire
 from ddtree_serve.serve.workers import DescribedTarget, TargetWorker
 
@@ -54,10 +54,7 @@ class TargetGroupError(TargetUnavailableError):
 @ray.remote(num_cpus=0)
 def _rendezvous_address() -> str:
     """A free TCP port on this node, as a torch.distributed init method."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
-    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+    return f"tcp://{ray.util.get_node_ip_address()}:{free_port(host='')}"
 
 
 def start_target_group(

@@ -5,7 +5,6 @@ once and shares the deployed application between its tests.
 """
 
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,13 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ddtree_serve.serve.ports import free_port
 from tests.conftest import TinyModelDirs
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def tiny_serve_config(dirs: TinyModelDirs, **sections: Any) -> dict[str, Any]:

@@ -13,8 +13,9 @@ import httpx
 import pytest
 import yaml
 
+from ddtree_serve.serve.ports import free_port
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import free_port, tiny_serve_config
+from tests.serve.conftest import tiny_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 REPO_ROOT = Path(__file__).resolve().parents[2]

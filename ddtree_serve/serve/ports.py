@@ -1,0 +1,28 @@
+"""Free TCP ports that neither the kernel nor Ray will hand to someone else a moment later.
+
+A port found by binding port 0 comes from the kernel's ephemeral range, which is where Ray's own
+components land too: its dashboard agent listens on 52365 by default and its raylet, GCS and
+object manager bind further ephemeral ports while a cluster starts. A port probed there and
+released can be taken before Serve's proxy binds it (CI failed once on exactly 52365). So ports
+are drawn from 20000-32767: above Ray's worker range (10002-19999), below Linux's ephemeral range
+(32768-60999) and macOS's (49152-65535), and clear of every port Ray or Serve binds by default.
+"""
+
+import random
+import socket
+
+_FIRST, _LAST = 20000, 32767
+_ATTEMPTS = 200
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port in 20000-32767 that `host` can bind now (chosen at random, so callers racing each
+    other rarely meet)."""
+    for port in random.sample(range(_FIRST, _LAST + 1), _ATTEMPTS):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port on {host or 'any address'} in {_FIRST}-{_LAST}")

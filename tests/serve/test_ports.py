@@ -1,0 +1,30 @@
+"""Free ports come from outside the ranges where Ray and the kernel hand out ports themselves."""
+
+import random
+import socket
+
+import pytest
+
+from ddtree_serve.serve.ports import free_port
+
+
+def test_a_free_port_binds_and_lies_below_the_ephemeral_range() -> None:
+    port = free_port()
+    assert 20000 <= port <= 32767
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as holder, socket.socket() as released:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        released.bind(("127.0.0.1", 0))
+        vacant = released.getsockname()[1]
+        released.close()
+        monkeypatch.setattr(random, "sample", lambda population, k: [held, vacant])
+        assert free_port() == vacant
+        monkeypatch.setattr(random, "sample", lambda population, k: [held])
+        with pytest.raises(OSError, match="no free TCP port"):
+            free_port()
