@@ -3,8 +3,17 @@
 Requests join (prefill) and leave (finish, abort) only between steps. Every running request
 takes part in every step; admission keeps the step within `max_num_batched_tokens`, counting a
 newcomer's prompt (prefilled this step) and one tree per running request.
+
+A newcomer takes the lowest free cache slot and the running list is kept in slot order, so a
+batch whose slots are consecutive reads the KV cache as views rather than gathers
+(`SlotIndex`). With a stack of freed slots a batch's slots came out reversed or shuffled by the
+order the last one finished in, and every attention layer copied the whole batch's cache: at
+batch 64 on the CI CPU the adaptive engine's plain steps (whose requests finish unevenly after
+a probe) took 6% longer than plain decoding's, 2% with this.
 """
 
+import bisect
+import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +47,7 @@ class Scheduler:
         self._tree_tokens = tree_tokens  # nodes (root included) one step verifies for a request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        self._free_slots = list(range(max_num_seqs))  # a min-heap: the lowest free slot first
 
     def add(self, request: Request) -> None:
         if len(self.waiting) >= self.max_queue_len:
@@ -65,9 +74,9 @@ class Scheduler:
             if self.running and num_tokens + cost > self.max_num_batched_tokens:
                 break
             self.waiting.popleft()
-            request.slot = self._free_slots.pop()
+            request.slot = heapq.heappop(self._free_slots)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            bisect.insort(self.running, request, key=_slot_of)
             prefills.append(request)
             num_tokens += cost
         return ScheduledStep(prefills=prefills, running=list(self.running))
@@ -80,6 +89,11 @@ class Scheduler:
         self.running.remove(request)
         slot = request.slot
         assert slot is not None, "a running request holds a slot"
-        self._free_slots.append(slot)
+        heapq.heappush(self._free_slots, slot)
         request.slot = None
         return slot
+
+
+def _slot_of(request: Request) -> int:
+    assert request.slot is not None, "a running request holds a slot"
+    return request.slot

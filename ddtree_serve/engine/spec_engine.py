@@ -574,8 +574,10 @@ class SpecEngine:
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
         if self.budget_policy is not None and trees.host is not None:
-            accept_index = verdict.accept_index.tolist()
-            accepted = [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)]
+            accepted: list[list[int]] = [[] for _ in accept_len]  # a plain step's (every one empty)
+            if any(accept_len):
+                accept_index = verdict.accept_index.tolist()
+                accepted = [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)]
             self.budget_policy.observe(trees.host, accepted, trees.batch.padded_num_nodes)
         for i, request in enumerate(requests):
             request.num_cached_tokens = verdict.num_cached_tokens[i]

@@ -155,6 +155,37 @@ def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
     assert gate.ceiling([8, 8], cheap_drafter, FREE_BUILD, "padded") > 0
 
 
+def test_probes_back_off_where_drafting_is_a_narrow_loss_too():
+    """Drafting predicted at about 0.9x plain decoding: each probe after plain steps pays the
+    drafter's catch-up for sure and could win only that 10%, so probes come at doubling
+    intervals as they do where drafting is a clear loss."""
+    cost = CostCurve([1], [1.0, 512.0], [[5.0, 5.0]], draft_ms=[34.0])
+    gate = DraftGate(probe_interval=4)
+    gate.ceiling([8], cost, FREE_BUILD, "padded")
+    record_curve(gate, CONFIDENT)
+    plain = plain_decode_rate(1, cost)
+    drafted = 1000.0 * (1.0 + CONFIDENT.sum()) / (5.0 + 34.0)  # tokens/s at ceiling 8
+    assert 0.85 * plain < drafted < plain
+    ceilings = [gate.ceiling([8], cost, FREE_BUILD, "padded") for _ in range(30)]
+    assert [i for i, c in enumerate(ceilings) if c] == [3, 12, 29]
+
+
+def test_drafting_at_a_small_batch_keeps_the_back_off_of_a_large_one():
+    """Each batch bucket backs off on its own: the last request of a batch, drafting alone where
+    drafting wins, does not bring the batch of 8's probes back to every 4 plain steps."""
+    # Verify costs 5 ms at any shape; the drafter 0.5 ms for one request, 40 ms for eight.
+    cost = CostCurve([1, 8], [1.0, 512.0], [[5.0, 5.0], [5.0, 5.0]], draft_ms=[0.5, 40.0])
+    gate = DraftGate(probe_interval=4)
+    gate.ceiling([8] * 8, cost, FREE_BUILD, "padded")
+    record_curve(gate, *[CONFIDENT] * 8)
+    backing_off = [gate.ceiling([8] * 8, cost, FREE_BUILD, "padded") for _ in range(30)]
+    assert [i for i, c in enumerate(backing_off) if c] == [3, 12, 29]
+    assert gate.plain_probe_interval(8) == 32
+    assert gate.ceiling([8], cost, FREE_BUILD, "padded") > 0  # alone, drafting wins
+    again = [gate.ceiling([8] * 8, cost, FREE_BUILD, "padded") for _ in range(33)]
+    assert [i for i, c in enumerate(again) if c] == [32]
+
+
 def test_a_plain_streak_decides_again_at_its_probe_or_when_the_batch_changes():
     """Without a draft the curve stands still: a plain streak over the same batch bucket skips
     the decision until its probe is due; a batch in another bucket (2 -> 3 requests) decides at

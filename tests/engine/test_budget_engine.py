@@ -154,7 +154,7 @@ def test_a_probe_drafts_a_few_requests_and_the_rest_catch_up_later(
     config = make_pair_config(mode="ddtree", budget=6, max_num_seqs=len(requests), budget_policy="adaptive")
     engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["costly_drafter"]}))
     steer_by_the_file(engine)
-    engine.budget_policy.gate.probe_interval = engine.budget_policy.gate.plain_probe_interval = 3
+    engine.budget_policy.gate.probe_interval = 3
     drafter = CheckingDrafter(engine.drafter, engine.target)
     engine.drafter = drafter
     for i, prompt in enumerate(requests):

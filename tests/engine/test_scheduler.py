@@ -1,10 +1,12 @@
 """Continuous batching limits: batch size, tokens per step, queue length, slot reuse."""
 
 import pytest
+import torch
 
 from ddtree_serve.engine.request import Request, RequestStatus
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.scheduler import QueueFullError, Scheduler
+from ddtree_serve.models.kv_cache import SlotIndex
 
 TREE_TOKENS = 10
 
@@ -33,7 +35,27 @@ def test_batch_size_limit_and_slot_reuse():
     assert [r.request_id for r in step.prefills] == ["3"]
     assert requests[3].slot == freed
     assert requests[3].status is RequestStatus.RUNNING
-    assert [r.request_id for r in step.running] == ["0", "2", "3"]
+    assert [r.request_id for r in step.running] == ["0", "3", "2"]  # in slot order
+
+
+def test_newcomers_take_the_lowest_slots_and_the_batch_runs_in_slot_order():
+    """However the last batch finished, the next one's slots are consecutive and ascending: its
+    KV reads are views of the cache, not gathers."""
+    scheduler = make_scheduler(max_num_seqs=6)
+    first = [request(f"a{i}") for i in range(6)]
+    for r in first:
+        scheduler.add(r)
+    scheduler.schedule()
+    for i in (4, 1, 5, 0, 2):  # finished out of order; slot 3 still runs
+        scheduler.free(first[i])
+    second = [request(f"b{i}") for i in range(4)]
+    for r in second:
+        scheduler.add(r)
+    step = scheduler.schedule()
+    assert [r.slot for r in step.prefills] == [0, 1, 2, 4]
+    slots = [r.slot for r in step.running]
+    assert slots == [0, 1, 2, 3, 4]
+    assert isinstance(SlotIndex(slots, torch.device("cpu")).index, slice)
 
 
 def test_tokens_per_step_limit_counts_prompts_and_trees():

@@ -13,8 +13,14 @@ batch bucket, doubling to `probe_interval` after each probe), one step builds al
 when acceptance or load changes) and narrower (the next candidate below: its measured ratio
 stays current); after plain steps the probe drafts at the best drafting ceiling (a probe at the
 cap could cost more than the plain steps before it saved), and while probes keep finding
-drafting a clear loss they come at doubling intervals: each one also pays the drafter's catch-up
-on all the context it skipped (on a CPU at batch 64, ten plain steps').
+drafting a loss they come at doubling intervals: each one also pays the drafter's catch-up on
+all the context it skipped (on a CPU at batch 64, ten plain steps'; at batch 8, three). They
+back off near the boundary too: there a plain step is about as good as a drafted one, so the
+most a late probe loses is that margin, while each probe costs a few plain steps for sure. The
+interval is kept per batch bucket: a load where drafting wins (the last few requests of a
+batch, finishing) says nothing of one where it loses. On the CPU at batch 8 (drafting
+predicted at 0.8-1.0x plain decoding, measured at 0.72x) the back-off was reset by every
+decision near the boundary and by each run's tail, so every 31-step run paid a probe (7-8%).
 
 The curve is an EMA, per best-first position, of the drafted trees' drafter probabilities
 averaged over their requests (a step's trees are learned while the next step drafts, a probe's
@@ -52,10 +58,6 @@ DRAFTED_RECHECK_STEPS = 8
 FIRST_PROBE_INTERVAL = 2
 """Drafted steps at a new batch bucket before the first probe of the choice's neighbours."""
 
-CLEAR_LOSS = 0.8
-"""Probes back off only while the best drafting rate is predicted below this share of plain
-decoding's: near the boundary the curve's noise decides, and a probe is cheap to be wrong on."""
-
 
 class DraftGate:
     """The step's tree ceiling; `ceiling` is called once per step, `record_curve` with each
@@ -71,9 +73,10 @@ class DraftGate:
         # given no calibration: its probabilities are acceptance already)
         self.spread = np.ones(0)
         self.steps_since_probe = 0  # steps since the last probe (each took the best choice)
-        # Plain steps before the next probe: doubled after each probe that found drafting still
-        # a loss (a probe pays the drafter's catch-up on every context it skipped), up to 16x.
-        self.plain_probe_interval = probe_interval
+        # Plain steps before the next probe, per batch bucket (`probe_interval` where none is
+        # kept): doubled after each probe that found drafting still a loss at that bucket (a
+        # probe pays the drafter's catch-up on every context it skipped), up to 16x.
+        self.plain_probe_intervals: dict[int, int] = {}
         # Drafted steps before the next probe of the neighbouring ceilings: from
         # `FIRST_PROBE_INTERVAL` when the batch moves to another bucket (a new load, whose
         # step-time ratios are its own), doubled after each probe, up to `probe_interval` (a
@@ -145,7 +148,6 @@ class DraftGate:
                 # at: a smaller batch, or trees cut by a smaller cap, would teach a biased ratio.
                 self._decided = (batch_size, choice, self._streak_ms)
             return choice
-        clear_loss = False  # drafting predicted well below plain decoding
         if self.curve is None:
             best = drafted = self._first_ceiling(caps, cost, build, overhead)
             predicted_ms: dict[int, float] = {}
@@ -161,24 +163,24 @@ class DraftGate:
                 batch_size, 0
             )
             best = drafted if drafted_rate > plain_rate or learning else 0
-            clear_loss = drafted_rate < CLEAR_LOSS * plain_rate and not learning
         predicted_ms[0] = plain_ms
         if streak[0] != self._probe_bucket:  # a new load: learn its neighbours soon, not now
             self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, self.probe_interval)
             self.steps_since_probe = 0
         self._probe_bucket = streak[0]
         chosen = best
-        interval = self.plain_probe_interval if best == 0 else self.drafted_probe_interval
+        plain_interval = self.plain_probe_interval(batch_size)
+        interval = plain_interval if best == 0 else self.drafted_probe_interval
         probe_due = self.steps_since_probe >= interval
         if probe_due:
             chosen = drafted if best == 0 else self._probe_ceiling(best, cap)
             if best > 0:
                 self.drafted_probe_interval = min(2 * self.drafted_probe_interval, self.probe_interval)
         self.probing = best == 0 and chosen > 0
-        if best > 0 or not clear_loss:
-            self.plain_probe_interval = self.probe_interval
+        if best > 0:
+            self.plain_probe_intervals.pop(streak[0], None)
         elif chosen > 0:
-            self.plain_probe_interval = min(2 * self.plain_probe_interval, 16 * self.probe_interval)
+            self.plain_probe_intervals[streak[0]] = min(2 * plain_interval, 16 * self.probe_interval)
         # A due probe restarts the count even when it could take no other ceiling (a cap of 1).
         self.steps_since_probe = 0 if probe_due else self.steps_since_probe + 1
         if not self.probing and not learning and chosen in predicted_ms:
@@ -192,6 +194,10 @@ class DraftGate:
         self._streak_prices = (plain_ms, draft_ms)
         return chosen
 
+    def plain_probe_interval(self, batch_size: int) -> int:
+        """Plain steps between probes at this batch size's bucket (see `plain_probe_intervals`)."""
+        return self.plain_probe_intervals.get(batch_bucket(batch_size), self.probe_interval)
+
     def _streak_holds(self, plain_ms: float, draft_ms: float) -> bool:
         """Whether the streak under way keeps its choice this step (see `ceiling`)."""
         moved = [
@@ -199,7 +205,8 @@ class DraftGate:
             for now, then in zip((plain_ms, draft_ms), self._streak_prices, strict=True)
         ]
         if self._streak_choice == 0:
-            return self.steps_since_probe < self.plain_probe_interval and not moved[0]
+            interval = self.plain_probe_interval(self._streak_batch)
+            return self.steps_since_probe < interval and not moved[0]
         due = self.steps_since_probe >= self.drafted_probe_interval
         return not due and not any(moved) and self._streak_age < DRAFTED_RECHECK_STEPS
 
