@@ -80,6 +80,7 @@ class Request:
         # Tokens in the slot's target cache, as prefill and commit report them; the drafter's
         # context must hold as many when it drafts (the newest token is never cached).
         self.num_cached_tokens = 0
+        self.num_drafter_context_tokens = 0  # the drafter's context length at its last draft
         self.num_emitted_tokens = 0  # outputs already reported to the caller
         # The newest sampled token: root of the next tree, not yet in the target's cache.
         self.bonus_token: int | None = None

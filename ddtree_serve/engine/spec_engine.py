@@ -76,7 +76,8 @@ logger = logging.getLogger(__name__)
 
 
 PROBE_REQUESTS = 4
-"""Requests a probe after plain steps drafts (the first running ones)."""
+"""Requests a probe after plain steps drafts: those with the least context the drafter has not
+taken yet (`_probe_requests`)."""
 
 
 class SpecEngine:
@@ -287,7 +288,7 @@ class SpecEngine:
         it and the rest (newcomers) draft in one call of their own at the same fixed K."""
         if self._carried is None or not self.chains_drafts:
             self._carried = None  # overlap's, after a lost drafter: the restore hands new contexts
-            return running, self._draft(running)
+            return self._draft(running)
         first, draft = self._take_carried(running)
         in_first = {id(r) for r in first}
         rest = [r for r in running if id(r) not in in_first]
@@ -296,24 +297,28 @@ class SpecEngine:
             draft = None if draft is None and first else _cat_drafts(draft, extra)
         return [*first, *rest], draft
 
-    def _draft(self, requests: list[Request]) -> DraftOutput | None:
-        """One drafter call for the batch; K is the largest any request's tree can use.
+    def _draft(self, running: list[Request]) -> tuple[list[Request], DraftOutput | None]:
+        """The step's requests and one drafter call's draft for them, or for the first of them
+        (a probe's); K is the largest any request's tree can use.
 
-        None (root-only trees: plain decoding) without a drafter, or while it is lost.
+        No draft (root-only trees: plain decoding) without a drafter, or while it is lost.
         """
+        requests = running
         restoring = not self._drafter_in_sync  # a drafter back from a loss takes whole contexts
         if self.drafter is None or not self._drafter_ready(self.drafter, requests):
-            return None
+            return running, None
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
         if self.budget_policy is not None:
             ceiling = self.budget_policy.plan([self._adaptive_cap(r) for r in requests])
             if ceiling == 0:
-                return None
+                return running, None
             top_k = min(top_k, ceiling)
             if self.budget_policy.probing:
                 # A probe after plain steps only refreshes the acceptance curve: a few requests
                 # tell it, and only they pay the drafter's catch-up on the context they skipped.
-                requests = requests[:PROBE_REQUESTS]
+                requests = _probe_requests(running)
+                drafted = {id(r) for r in requests}
+                running = [*requests, *(r for r in running if id(r) not in drafted)]
         contexts = [tuple(r.pending_contexts) for r in requests]
         assert all(contexts), "every running request has undrafted context"
         # A draft that takes a prompt's context (a newcomer's first) or several steps' (after
@@ -326,7 +331,7 @@ class SpecEngine:
             draft = self.drafter.draft(draft_input)
         except DrafterUnavailableError as error:
             self._lose_drafter(error)
-            return None
+            return running, None
         if self.budget_policy is not None:
             # The last step's lesson while the drafter's kernels run; then its top-K to the
             # host (the build's one copy, made here), so the drafter's time is the draft stage's.
@@ -345,7 +350,7 @@ class SpecEngine:
         for request in requests:
             request.pending_contexts = []
         _check_positions(requests, draft.num_context_tokens)
-        return draft
+        return running, draft
 
     # ------------------------------------------------------------------ the overlapped step
 
@@ -464,6 +469,7 @@ class SpecEngine:
         context = self.target.encode_context(EncodeInput(slots, [_cached_token_ids(r) for r in requests]))
         for i, request in enumerate(requests):
             request.pending_contexts = [ContextSlice(context, i)]
+            request.num_drafter_context_tokens = 0
         self._drafter_in_sync = True
         logger.warning("the drafter is back: speculation resumes for %d running requests", len(requests))
 
@@ -712,8 +718,19 @@ def _uniforms(request: Request, n: int) -> torch.Tensor:
     return torch.rand(n, generator=request.generator, dtype=torch.float32)
 
 
+def _probe_requests(running: list[Request]) -> list[Request]:
+    """The `PROBE_REQUESTS` requests whose drafter context lags the target's cache least.
+
+    A probe drafts them, each catching up on all the context it skipped: a request drafted at
+    the last probe owes the plain steps since, one that joined during plain steps its whole
+    prompt (thousands of tokens through the drafter, for a probe that may well find drafting
+    still a loss). Ties keep the batch order."""
+    return sorted(running, key=lambda r: r.num_cached_tokens - r.num_drafter_context_tokens)[:PROBE_REQUESTS]
+
+
 def _check_positions(requests: list[Request], num_context_tokens: Sequence[int]) -> None:
-    """The drafter drafts from exactly the text in the target's cache, for every request.
+    """The drafter drafts from exactly the text in the target's cache, for every request;
+    each request then records that length as its drafter's.
 
     Both counts come from their owners (the drafter's and the target's caches), so a lost or
     doubled context append shows here, at the step it happens, not as silently worse drafts.
@@ -724,6 +741,8 @@ def _check_positions(requests: list[Request], num_context_tokens: Sequence[int])
             f"drafter context lengths {list(num_context_tokens)} differ from the target's cached "
             f"lengths {num_cached_tokens}"
         )
+    for request in requests:
+        request.num_drafter_context_tokens = request.num_cached_tokens
 
 
 def _cached_token_ids(request: Request) -> list[int]:

@@ -175,6 +175,48 @@ def test_a_probe_drafts_a_few_requests_and_the_rest_catch_up_later(
         assert [*prompt, *finished[str(i)]] == greedy_references[tuple(prompt)]
 
 
+def test_a_probe_drafts_the_requests_whose_drafter_context_lags_least(
+    make_pair_config, greedy_references, prompt_ids, cost_files
+):
+    """Requests joining during plain steps owe the drafter their whole prompt: a probe drafts
+    the ones that owe least (those drafted at the last probe owe only the plain steps since),
+    puts them first in its batch, and every output is still the target's greedy output."""
+    requests = [prompt_ids[i % len(prompt_ids)] for i in range(PROBE_REQUESTS + 4)]
+    config = make_pair_config(mode="ddtree", budget=6, max_num_seqs=len(requests), budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["costly_drafter"]}))
+    steer_by_the_file(engine)
+    engine.budget_policy.gate.probe_interval = 3
+    drafter = CheckingDrafter(engine.drafter, engine.target)
+    engine.drafter = drafter
+    params = SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True)
+    finished: dict[str, list[int]] = {}
+    probes_with_a_choice = 0
+    for step in range(200):
+        if step % 3 == 0 and step // 3 < len(requests):  # one newcomer every few steps
+            engine.add_request(str(step // 3), requests[step // 3], params)
+        if not engine.has_unfinished_requests():
+            break
+        # A newcomer joins this step: the drafter then lacks its prompt (prefill caches it).
+        running = [*engine.scheduler.running, *engine.scheduler.waiting]
+        lags = {id(r): r.num_cached_tokens - r.num_drafter_context_tokens for r in engine.scheduler.running}
+        lags.update({id(r): r.num_prompt_tokens for r in engine.scheduler.waiting})
+        drafted_before = {id(r): r.num_drafter_context_tokens for r in running}
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+        check_after_step(engine, drafter)
+        if not engine.budget_policy.probing or len(running) <= PROBE_REQUESTS:
+            continue
+        drafted = [r for r in running if r.num_drafter_context_tokens != drafted_before[id(r)]]
+        skipped = [r for r in running if r.num_drafter_context_tokens == drafted_before[id(r)]]
+        assert len(drafted) == PROBE_REQUESTS
+        assert max(lags[id(r)] for r in drafted) <= min(lags[id(r)] for r in skipped)
+        probes_with_a_choice += len({lags[id(r)] for r in running}) > 1
+    assert probes_with_a_choice >= 2 and drafter.mismatches == []
+    for i, prompt in enumerate(requests):
+        assert [*prompt, *finished[str(i)]] == greedy_references[tuple(prompt)]
+
+
 def test_measured_cost_curve_covers_the_engine_shapes(make_pair_config):
     engine = build_local_engine(
         make_pair_config(mode="ddtree", budget=4, max_num_seqs=2, budget_policy="adaptive")
