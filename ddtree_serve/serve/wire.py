@@ -55,10 +55,10 @@ class Wired:
 
 
 class _Packer:
-    """Collects a value's tensors (on the host) and where each will lie in the buffer."""
+    """Collects a value's tensors (on the host), each with its offset and size in the buffer."""
 
     def __init__(self) -> None:
-        self.placed: list[tuple[torch.Tensor, WireTensor]] = []
+        self.placed: list[tuple[torch.Tensor, int, int]] = []  # (tensor, offset, bytes)
         self.num_bytes = 0
 
     def replace(self, value: Any) -> Any:
@@ -69,9 +69,9 @@ class _Packer:
             raise TypeError("an ObjectRef cannot travel inside a wired value: pass it as an argument")
         if isinstance(value, torch.Tensor):
             tensor = value.detach().cpu()
-            placed = WireTensor(self.num_bytes, tuple(tensor.shape), tensor.dtype)
-            self.placed.append((tensor, placed))
             size = tensor.numel() * tensor.element_size()
+            self.placed.append((tensor, self.num_bytes, size))
+            placed = WireTensor(self.num_bytes, tuple(tensor.shape), tensor.dtype)
             self.num_bytes += -(-size // _ALIGN) * _ALIGN
             return placed
         return _map(value, self.replace)
@@ -85,10 +85,9 @@ def to_wire(value: Any) -> Any:
     if not packer.placed:
         return value
     buffer = torch.empty(packer.num_bytes, dtype=torch.uint8)
-    for tensor, placed in packer.placed:
-        size = tensor.numel() * tensor.element_size()
+    for tensor, offset, size in packer.placed:
         if size:  # copied into a view of the buffer: any strides the source has
-            buffer[placed.offset : placed.offset + size].view(tensor.dtype).copy_(tensor.reshape(-1))
+            buffer[offset : offset + size].view(tensor.dtype).copy_(tensor.reshape(-1))
     return Wired(pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL), buffer.numpy())
 
 
