@@ -515,10 +515,10 @@ class SpecEngine:
         # alike, and tells the gate when that cut its ceiling).
         widest = caps if captured is None else [min(cap, captured[-1] - 1) for cap in caps]
         roots = [_bonus(r) for r in requests]
-        built = build_host_tree_batch(draft.logp, draft.ids, widest[:drafted], roots[:drafted])
-        built = built.with_root_only(roots[drafted:])
-        built = built.within_depth([self._keepable_depth(r) for r in requests])
-        allocation = policy.choose(built, caps, captured)
+        whole = build_host_tree_batch(draft.logp, draft.ids, widest[:drafted], roots[:drafted])
+        whole = whole.with_root_only(roots[drafted:])
+        built = whole.within_depth([self._keepable_depth(r) for r in requests])
+        allocation = policy.choose(built, caps, captured, cut_rows=built.num_nodes < whole.num_nodes)
         trees = built.prefix(allocation.num_nodes)
         padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)
         batch = BuiltTrees(trees.verify_batch(n_max=padded), trees.num_nodes.tolist(), trees)

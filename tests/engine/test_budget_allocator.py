@@ -255,6 +255,31 @@ def random_draft(seed: int, depth: int = 6, k: int = 4, vocab: int = 50):
     return draft_topk(torch.randn(depth, vocab, generator=generator) * 3, k)
 
 
+def test_trees_cut_by_their_requests_end_teach_the_calibrator_but_not_the_gates_curve():
+    """A tree cut to its request's last tokens holds shallow siblings where deep nodes were: the
+    gate's curve, which prices whole trees, learns only the uncut rows; the calibrator learns all."""
+    whole = build_ddtree(*random_draft(0), 16, root_token=7)
+    cut = build_ddtree(*random_draft(1), 16, root_token=7)
+    trees = TreeBatch.from_trees([whole, cut]).within_depth([16, 1])
+    assert trees.num_nodes[1] < cut.num_nodes
+
+    def learned(cut_rows):
+        policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
+        policy.plan([16, 16])
+        policy.record_draft_ms(1.0)
+        allocation = policy.choose(trees, [16, 16], cut_rows=cut_rows)
+        policy.record_verify_ms(5.0)
+        policy.observe(trees.prefix(allocation.num_nodes), [[1], []])
+        policy.learn()
+        return policy
+
+    told, untold = learned(np.array([False, True])), learned(None)
+    np.testing.assert_allclose(told.gate.curve, np.exp(whole.logws[1:]))  # the whole row alone
+    assert not np.allclose(untold.gate.curve[: len(told.gate.curve)], told.gate.curve)
+    grid = np.linspace(0.0, 1.0, 101)
+    np.testing.assert_allclose(told.calibrator.calibrate(grid), untold.calibrator.calibrate(grid))
+
+
 def test_policy_learns_from_what_verification_accepted():
     """Trees whose nodes are never accepted: the policy's forecast and its trees shrink."""
     logp, ids = random_draft(0)

@@ -106,6 +106,7 @@ class AdaptiveBudget:
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
         self._raw_probs = np.zeros((0, 0))  # the last chosen step's drafter probabilities [B, built]
         self._built_lengths = np.zeros(0, dtype=np.int64)  # its draft nodes built per request
+        self._whole_rows: np.ndarray | None = None  # [B] its rows no request's end cut (None: all)
         self.last_step: BudgetStep | None = None
         self._ceiling = 0
         self._draft_ms: float | None = None
@@ -172,7 +173,11 @@ class AdaptiveBudget:
         self._verify_ms = verify_ms
 
     def choose(
-        self, trees: TreeBatch, caps: Sequence[int], captured: Sequence[int] | None = None
+        self,
+        trees: TreeBatch,
+        caps: Sequence[int],
+        captured: Sequence[int] | None = None,
+        cut_rows: np.ndarray | None = None,
     ) -> Allocation:
         """Draft nodes per request for trees built at their ceiling (`caps[i]` at most).
 
@@ -181,6 +186,12 @@ class AdaptiveBudget:
         `token_buckets`): the widest tree then fills one of them, so the step captures no graph
         but the ceiling's; a step they cut below the gate's ceiling teaches that ceiling no
         step time (it ran a narrower verify).
+        `cut_rows[b]`: row b lost its deeper nodes to its request's end (`TreeBatch.within_depth`):
+        its nodes still teach the calibrator (a node's acceptance is its path's), but not the
+        gate's curve, which stands for whole trees. Cut trees hold shallow siblings where deep
+        nodes were, so their positions read low: on the CPU at c = 2 the last steps of one
+        batch, learned so, turned the gate plain for the next batch's first 16 steps (a tenth of
+        its tokens/s, where drafting wins by a tenth).
         The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
         the choice runs every step, so its work is a few array operations whatever the batch."""
         self.learn()
@@ -194,6 +205,7 @@ class AdaptiveBudget:
         calibrated = self.calibrator.calibrate(raw)  # 0 stays 0: the map is anchored there
         # What `observe` teaches the calibrator and the gate's recent curve (`learn`).
         self._raw_probs, self._built_lengths = raw, lengths
+        self._whole_rows = None if cut_rows is None or not np.any(cut_rows) else ~np.asarray(cut_rows)
         draft_ms = self.cost.draft_ms(trees.batch_size) if self._draft_ms is None else self._draft_ms
         draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
         if self.layout == "padded":
@@ -248,6 +260,7 @@ class AdaptiveBudget:
                 raw_probs=self._raw_probs,
                 verified=verified,
                 accepted_nodes=accepted_nodes,
+                whole_rows=self._whole_rows,
             )
         self._lesson = _Lesson(
             batch_size=batch_size,
@@ -279,7 +292,8 @@ class AdaptiveBudget:
         nodes = lesson.nodes
         if nodes is None:
             return
-        self.gate.record_curve(nodes.raw_probs, nodes.built_lengths, self.calibrator.calibrate)
+        rows = slice(None) if nodes.whole_rows is None else nodes.whole_rows  # all cut: no lesson
+        self.gate.record_curve(nodes.raw_probs[rows], nodes.built_lengths[rows], self.calibrator.calibrate)
         if nodes.build_ms is not None:
             built = nodes.built_lengths
             self.build.observe(lesson.batch_size, int(built.sum()), int(built.max(initial=0)), nodes.build_ms)
@@ -325,6 +339,7 @@ class _DraftedNodes:
     raw_probs: np.ndarray  # their drafter probabilities [B, built]
     verified: list[int]  # draft nodes each request verified (a prefix of its built ones)
     accepted_nodes: Sequence[Sequence[int]]  # per request, accepted node indices (root = 0)
+    whole_rows: np.ndarray | None = None  # [B] rows no request's end cut, the curve's (None: all)
 
 
 @dataclass(frozen=True)
