@@ -76,8 +76,7 @@ logger = logging.getLogger(__name__)
 
 
 PROBE_REQUESTS = 4
-"""Requests a probe after plain steps drafts: those with the least context the drafter has not
-taken yet (`_probe_requests`)."""
+"""Requests a probe after plain steps drafts (`SpecEngine._probe_requests` picks them)."""
 
 
 class SpecEngine:
@@ -316,7 +315,7 @@ class SpecEngine:
             if self.budget_policy.probing:
                 # A probe after plain steps only refreshes the acceptance curve: a few requests
                 # tell it, and only they pay the drafter's catch-up on the context they skipped.
-                requests = _probe_requests(running)
+                requests = self._probe_requests(running)
                 drafted = {id(r) for r in requests}
                 running = [*requests, *(r for r in running if id(r) not in drafted)]
         contexts = [tuple(r.pending_contexts) for r in requests]
@@ -638,6 +637,22 @@ class SpecEngine:
         is not bounded by it (a wide shallow tree still raises the expected acceptance)."""
         return max(0, self._max_output_tokens(request) - len(request.output_token_ids) - 1)
 
+    def _probe_requests(self, running: list[Request]) -> list[Request]:
+        """The `PROBE_REQUESTS` requests a probe drafts: those far enough from their end to
+        keep a whole tree first (a tree cut to a request's last tokens teaches the gate nothing),
+        then those whose drafter context lags the target's cache least.
+
+        Each catches up on all the context it skipped: a request drafted at the last probe owes
+        the plain steps since, one that joined during plain steps its whole prompt (thousands
+        of tokens through the drafter, for a probe that may well find drafting still a loss).
+        Ties keep the batch order."""
+
+        def key(request: Request) -> tuple[bool, int]:
+            cut = self._keepable_depth(request) < self.block_size
+            return cut, request.num_cached_tokens - request.num_drafter_context_tokens
+
+        return sorted(running, key=key)[:PROBE_REQUESTS]
+
     def _top_k(self, request: Request) -> int:
         return min(self._budget(request), self.vocab_size)
 
@@ -716,16 +731,6 @@ def _sampling_batch(params: list[SamplingParams], vocab_size: int) -> SamplingBa
 def _uniforms(request: Request, n: int) -> torch.Tensor:
     """`n` float32 draws in [0, 1) from the request's own generator: [n]."""
     return torch.rand(n, generator=request.generator, dtype=torch.float32)
-
-
-def _probe_requests(running: list[Request]) -> list[Request]:
-    """The `PROBE_REQUESTS` requests whose drafter context lags the target's cache least.
-
-    A probe drafts them, each catching up on all the context it skipped: a request drafted at
-    the last probe owes the plain steps since, one that joined during plain steps its whole
-    prompt (thousands of tokens through the drafter, for a probe that may well find drafting
-    still a loss). Ties keep the batch order."""
-    return sorted(running, key=lambda r: r.num_cached_tokens - r.num_drafter_context_tokens)[:PROBE_REQUESTS]
 
 
 def _check_positions(requests: list[Request], num_context_tokens: Sequence[int]) -> None:

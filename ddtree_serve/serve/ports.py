@@ -4,25 +4,38 @@ A port found by binding port 0 comes from the kernel's ephemeral range, which is
 components land too: its dashboard agent listens on 52365 by default and its raylet, GCS and
 object manager bind further ephemeral ports while a cluster starts. A port probed there and
 released can be taken before Serve's proxy binds it (CI failed once on exactly 52365). So ports
-are drawn from 20000-32767: above Ray's worker range (10002-19999), below Linux's ephemeral range
-(32768-60999) and macOS's (49152-65535), and clear of every port Ray or Serve binds by default.
+are drawn from 20000-32767: above Ray's worker range (10002-19999), below Linux's default
+ephemeral range (32768-60999; a host that starts it lower narrows the draw to below its start)
+and macOS's (49152-65535), and clear of every port Ray or Serve binds by default.
 """
 
 import random
 import socket
+from pathlib import Path
 
 _FIRST, _LAST = 20000, 32767
 _ATTEMPTS = 200
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port in 20000-32767 that `host` can bind now (chosen at random, so callers racing each
-    other rarely meet)."""
-    for port in random.sample(range(_FIRST, _LAST + 1), _ATTEMPTS):
+    """A port in 20000-32767, below the kernel's ephemeral range, that `host` can bind now
+    (chosen at random, so callers racing each other rarely meet)."""
+    last = min(_LAST, _ephemeral_start() - 1)
+    candidates = range(_FIRST, last + 1)
+    for port in random.sample(candidates, min(_ATTEMPTS, len(candidates))):
         with socket.socket() as probe:
             try:
                 probe.bind((host, port))
             except OSError:
                 continue
             return port
-    raise OSError(f"no free TCP port on {host or 'any address'} in {_FIRST}-{_LAST}")
+    raise OSError(f"no free TCP port on {host or 'any address'} in {_FIRST}-{last}")
+
+
+def _ephemeral_start() -> int:
+    """The first port of Linux's ephemeral range (its default where the file is absent)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768

@@ -180,7 +180,8 @@ def test_a_probe_drafts_the_requests_whose_drafter_context_lags_least(
 ):
     """Requests joining during plain steps owe the drafter their whole prompt: a probe drafts
     the ones that owe least (those drafted at the last probe owe only the plain steps since),
-    puts them first in its batch, and every output is still the target's greedy output."""
+    those near their end (trees cut short) last, puts them first in its verify batch, and every
+    output is still the target's greedy output."""
     requests = [prompt_ids[i % len(prompt_ids)] for i in range(PROBE_REQUESTS + 4)]
     config = make_pair_config(mode="ddtree", budget=6, max_num_seqs=len(requests), budget_policy="adaptive")
     engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["costly_drafter"]}))
@@ -188,6 +189,14 @@ def test_a_probe_drafts_the_requests_whose_drafter_context_lags_least(
     engine.budget_policy.gate.probe_interval = 3
     drafter = CheckingDrafter(engine.drafter, engine.target)
     engine.drafter = drafter
+    verified_slots: list[list[int]] = []
+    verify = engine.target.verify_and_commit
+
+    def recording_verify(inputs):
+        verified_slots.append(list(inputs.slots))
+        return verify(inputs)
+
+    engine.target.verify_and_commit = recording_verify
     params = SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True)
     finished: dict[str, list[int]] = {}
     probes_with_a_choice = 0
@@ -200,6 +209,8 @@ def test_a_probe_drafts_the_requests_whose_drafter_context_lags_least(
         running = [*engine.scheduler.running, *engine.scheduler.waiting]
         lags = {id(r): r.num_cached_tokens - r.num_drafter_context_tokens for r in engine.scheduler.running}
         lags.update({id(r): r.num_prompt_tokens for r in engine.scheduler.waiting})
+        # The probe's order: trees a request's end cuts short last, then the drafter's lag.
+        order = {id(r): (engine._keepable_depth(r) < engine.block_size, lags[id(r)]) for r in running}
         drafted_before = {id(r): r.num_drafter_context_tokens for r in running}
         for output in engine.step():
             if output.finished:
@@ -210,8 +221,9 @@ def test_a_probe_drafts_the_requests_whose_drafter_context_lags_least(
         drafted = [r for r in running if r.num_drafter_context_tokens != drafted_before[id(r)]]
         skipped = [r for r in running if r.num_drafter_context_tokens == drafted_before[id(r)]]
         assert len(drafted) == PROBE_REQUESTS
-        assert max(lags[id(r)] for r in drafted) <= min(lags[id(r)] for r in skipped)
-        probes_with_a_choice += len({lags[id(r)] for r in running}) > 1
+        assert max(order[id(r)] for r in drafted) <= min(order[id(r)] for r in skipped)
+        assert {r.slot for r in drafted if not r.finished} <= set(verified_slots[-1][:PROBE_REQUESTS])
+        probes_with_a_choice += len({order[id(r)] for r in running}) > 1
     assert probes_with_a_choice >= 2 and drafter.mismatches == []
     for i, prompt in enumerate(requests):
         assert [*prompt, *finished[str(i)]] == greedy_references[tuple(prompt)]

@@ -5,12 +5,13 @@ import socket
 
 import pytest
 
+from ddtree_serve.serve import ports
 from ddtree_serve.serve.ports import free_port
 
 
 def test_a_free_port_binds_and_lies_below_the_ephemeral_range() -> None:
     port = free_port()
-    assert 20000 <= port <= 32767
+    assert 20000 <= port <= min(32767, ports._ephemeral_start() - 1)
     with socket.socket() as server:
         server.bind(("127.0.0.1", port))
 
@@ -28,3 +29,8 @@ def test_a_port_in_use_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(random, "sample", lambda population, k: [held])
         with pytest.raises(OSError, match="no free TCP port"):
             free_port()
+
+
+def test_a_lower_ephemeral_range_narrows_the_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 20010)
+    assert {free_port() for _ in range(30)} <= set(range(20000, 20010))
