@@ -145,18 +145,25 @@ def test_context_from_plain_steps_reaches_the_drafter(make_pair_config, prompt_i
     assert drafter.mismatches == [] and num_checked > 20
 
 
+def probing_engine(make_pair_config, cost_file: str, num_requests: int) -> tuple[SpecEngine, CheckingDrafter]:
+    """An adaptive engine steered by `cost_file` alone, probing every 3 plain steps, with a
+    drafter that checks its positions against the target's."""
+    config = make_pair_config(mode="ddtree", budget=6, max_num_seqs=num_requests, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_file}))
+    steer_by_the_file(engine)
+    engine.budget_policy.gate.probe_interval = 3
+    drafter = CheckingDrafter(engine.drafter, engine.target)
+    engine.drafter = drafter
+    return engine, drafter
+
+
 def test_a_probe_drafts_a_few_requests_and_the_rest_catch_up_later(
     make_pair_config, greedy_references, prompt_ids, cost_files
 ):
     """More running requests than a probe drafts: the undrafted ones verify their root, keep
     their context for later, and every output is still the target's greedy output."""
     requests = [prompt_ids[i % len(prompt_ids)] for i in range(PROBE_REQUESTS + 3)]
-    config = make_pair_config(mode="ddtree", budget=6, max_num_seqs=len(requests), budget_policy="adaptive")
-    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["costly_drafter"]}))
-    steer_by_the_file(engine)
-    engine.budget_policy.gate.probe_interval = 3
-    drafter = CheckingDrafter(engine.drafter, engine.target)
-    engine.drafter = drafter
+    engine, drafter = probing_engine(make_pair_config, cost_files["costly_drafter"], len(requests))
     for i, prompt in enumerate(requests):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
     finished: dict[str, list[int]] = {}
@@ -183,12 +190,7 @@ def test_a_probe_drafts_the_requests_whose_drafter_context_lags_least(
     those near their end (trees cut short) last, puts them first in its verify batch, and every
     output is still the target's greedy output."""
     requests = [prompt_ids[i % len(prompt_ids)] for i in range(PROBE_REQUESTS + 4)]
-    config = make_pair_config(mode="ddtree", budget=6, max_num_seqs=len(requests), budget_policy="adaptive")
-    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["costly_drafter"]}))
-    steer_by_the_file(engine)
-    engine.budget_policy.gate.probe_interval = 3
-    drafter = CheckingDrafter(engine.drafter, engine.target)
-    engine.drafter = drafter
+    engine, drafter = probing_engine(make_pair_config, cost_files["costly_drafter"], len(requests))
     verified_slots: list[list[int]] = []
     verify = engine.target.verify_and_commit
 
