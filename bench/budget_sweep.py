@@ -30,7 +30,8 @@ Results: bench/out/budget_sweep[_sim].{md,json,png}.
 import argparse
 import json
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -149,7 +150,42 @@ class RecordingTarget:
 # ----------------------------------------------------------------------------- live sweep
 
 
-def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep]]:
+@dataclass
+class StepLog:
+    """Steps, tokens and seconds of one configuration's timed runs, and (adaptive) the ceilings
+    its policy chose, step by step: why a configuration is as fast as it is."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    ceilings: Counter = field(default_factory=Counter)
+
+    def summary(self) -> dict:
+        steps = max(self.steps, 1)
+        summary = {
+            "tokens_per_step": self.tokens / steps,
+            "ms_per_step": 1000.0 * self.seconds / steps,
+        }
+        if self.ceilings:
+            summary["ceiling_share"] = {
+                str(c): n / sum(self.ceilings.values()) for c, n in sorted(self.ceilings.items())
+            }
+        return summary
+
+
+def _log_ceilings(policy: AdaptiveBudget, log: dict[str, StepLog]) -> None:
+    """Counts each `plan` choice into `log["adaptive"]` (one policy lives through the sweep)."""
+    plan = policy.plan
+
+    def logged_plan(caps):
+        ceiling = plan(caps)
+        log.setdefault("adaptive", StepLog()).ceilings[ceiling] += 1
+        return ceiling
+
+    policy.plan = logged_plan  # type: ignore[method-assign]
+
+
+def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], list[dict]]:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
     base = EngineConfig(
@@ -178,7 +214,9 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep]]:
     )
 
     recorder = TraceRecorder(max(budgets))
-    rows = []
+    rows, diagnostics = [], []
+    logs: dict[str, StepLog] = {}
+    _log_ceilings(calibrating.budget_policy, logs)
     for concurrency in concurrencies:
         configs: list[tuple[str, SpecEngine]] = [("ar", _engine(base, "ar", target, None, tokenizer))]
         for budget in budgets:
@@ -202,13 +240,22 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep]]:
         samples: dict[str, list[float]] = {name: [] for name, _ in configs}
         for run in range(args.warmup_runs + args.repeats):  # round-robin: drift falls on all alike
             for name, engine in configs:
-                rate = _tokens_per_s(engine, prompts, concurrency, args.max_tokens, tag=str(run))
+                logs[name] = StepLog()
+                rate = _tokens_per_s(engine, prompts, concurrency, args.max_tokens, str(run), logs[name])
                 if run >= args.warmup_runs:
                     samples[name].append(rate)
+                    timed = logs.setdefault(f"timed-{name}", StepLog())
+                    timed.steps += logs[name].steps
+                    timed.tokens += logs[name].tokens
+                    timed.seconds += logs[name].seconds
+                    timed.ceilings.update(logs[name].ceilings)
         row.update({name: float(np.median(rates)) for name, rates in samples.items()})
         rows.append(row)
+        steps = {name: logs.pop(f"timed-{name}").summary() for name, _ in configs}
+        diagnostics.append({"concurrency": concurrency, "steps": steps})
         print(_row_line(row), flush=True)
-    return rows, recorder.steps
+        print(_steps_line(steps), flush=True)
+    return rows, recorder.steps, diagnostics
 
 
 def _settings(config: EngineConfig, policy: str, cost_path: str | None):
@@ -223,9 +270,15 @@ def _engine(config: EngineConfig, policy: str, target, drafter, tokenizer) -> Sp
 
 
 def _tokens_per_s(
-    engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, tag: str
+    engine: SpecEngine,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    tag: str,
+    log: StepLog,
 ) -> float:
-    """Generated tokens/s of one run of `concurrency` identical-length requests."""
+    """Generated tokens/s of one run of `concurrency` identical-length requests (its steps,
+    tokens and seconds added to `log`)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(concurrency):
         engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
@@ -233,8 +286,19 @@ def _tokens_per_s(
     num_tokens = 0
     while engine.has_unfinished_requests():
         num_tokens += sum(out.num_new_tokens for out in engine.step())
+        log.steps += 1
     elapsed = time.perf_counter() - started
+    log.tokens += num_tokens
+    log.seconds += elapsed
     return num_tokens / elapsed
+
+
+def _steps_line(steps: dict[str, dict]) -> str:
+    """Tokens and milliseconds per engine step of each configuration, and the adaptive ceilings."""
+    parts = [f"{n} {s['tokens_per_step']:.2f} tok / {s['ms_per_step']:.2f} ms" for n, s in steps.items()]
+    shares = steps.get("adaptive", {}).get("ceiling_share", {})
+    ceilings = ", ".join(f"{c}: {share:.0%}" for c, share in shares.items())
+    return "  per step: " + "; ".join(parts) + (f"; adaptive ceilings {ceilings}" if ceilings else "")
 
 
 # ----------------------------------------------------------------------------- simulation
@@ -461,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.simulate_cost is None:
-        rows, traces = run_live(args)
+        rows, traces, diagnostics = run_live(args)
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         args.traces.write_text(json.dumps([t.as_json() for t in traces]) + "\n")
         title, stem = (
@@ -489,12 +553,12 @@ def main(argv: list[str] | None = None) -> None:
             f" (draft {draft_ms:g} ms)"
             + ("" if args.build_cost is None else f" + host build {args.build_cost.name}")
         )
-        rows, stem = run_simulation(args, traces), "budget_sweep_sim"
+        rows, stem, diagnostics = run_simulation(args, traces), "budget_sweep_sim", []
     table = markdown_table(rows, title)
     print("\n" + table)
     (args.out_dir / f"{stem}.md").write_text(table)
     (args.out_dir / f"{stem}.json").write_text(
-        json.dumps({"args": vars(args), "rows": rows}, default=str) + "\n"
+        json.dumps({"args": vars(args), "rows": rows, "steps": diagnostics}, default=str) + "\n"
     )
     plot(rows, args.out_dir / f"{stem}.png", title)
     print(f"wrote {args.out_dir / stem}.{{md,json,png}}")
