@@ -44,7 +44,7 @@ later rebuilds the drafter's context with `Target.encode_context`) or `TargetUna
 (the KV caches are gone: every running request ends).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -301,6 +301,15 @@ class PipelinedDrafter(Protocol):
     def submit_draft(self, inputs: DraftInput) -> Pending[DraftOutput]:
         """Start `draft(inputs)`; calls run in submission order."""
         ...
+
+
+@runtime_checkable
+class AsyncDeviceTarget(Protocol):
+    """A `Target` whose verify leaves the host idle while its device computes (CUDA, in this
+    process): `while_verifying`, when set, runs once in that idle time, between launching the
+    verify's device work and reading its results back (the engine's policy learns there)."""
+
+    while_verifying: Callable[[], None] | None
 
 
 @runtime_checkable

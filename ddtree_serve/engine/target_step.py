@@ -10,6 +10,8 @@ In process the engine calls it directly; over Ray a `TargetWorker` holds one and
 transport. Context handles it produces are lists of device tensors, one per request.
 """
 
+from collections.abc import Callable
+
 import torch
 
 from ddtree_serve.engine.interfaces import (
@@ -49,6 +51,9 @@ class TargetStep:
             greedy_backend = "device" if self.device.type == "cuda" else "host"
         self._greedy_walk = get_greedy_backend(greedy_backend)
         self.timer = timer or StageTimer()
+        # Host work the engine runs while a CUDA verify computes (`AsyncDeviceTarget`); a CPU's
+        # forward leaves no such time, so there it is not called.
+        self.while_verifying: Callable[[], None] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -101,10 +106,11 @@ class TargetStep:
         accept_index, accept_len, bonus = (t.to(self.device) for t in (accept_index, accept_len, bonus))
         accept_tokens = batch.tokens.gather(1, accept_index.clamp(min=0))
         gathered = _gather_accepted(features, accept_index) if inputs.return_context else None
+        packed = torch.cat([accept_index, accept_tokens, accept_len.view(-1, 1), bonus.view(-1, 1)], dim=1)
+        if self.while_verifying is not None and self.device.type == "cuda":
+            self.while_verifying()  # the kernels above are queued, not done: the host is free
         # The step's one device -> host copy: everything the engine's bookkeeping reads.
-        packed = torch.cat(
-            [accept_index, accept_tokens, accept_len.view(-1, 1), bonus.view(-1, 1)], dim=1
-        ).cpu()  # [B, 2 (D+1) + 2]
+        packed = packed.cpu()  # [B, 2 (D+1) + 2]
         width = accept_index.shape[1]
         accept_len_cpu = packed[:, -2]
         num_kept = (accept_len_cpu + 1).tolist()

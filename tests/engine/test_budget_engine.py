@@ -15,6 +15,7 @@ import pytest
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import BudgetStep, BuildCost
+from ddtree_serve.engine.budget.policy import LEARNING_STEPS
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import StepResidual
 from ddtree_serve.engine.local import build_local_engine
@@ -302,3 +303,54 @@ def test_no_request_verifies_draft_tokens_it_cannot_keep(
         tokens = [*prompt, *outputs[0].token_ids] if outputs and outputs[0].finished else None
     assert tokens == greedy_references[tuple(prompt)][: len(prompt) + max_tokens]
     assert wide_and_shallow > 0  # a tree kept more nodes than its request could keep tokens
+
+
+class _DeviceLikeTarget:
+    """A target that, like a CUDA one, runs `while_verifying` inside its verify call; it records
+    what the hook was and whether the policy still had a lesson to learn before and after it."""
+
+    def __init__(self, inner, policy_of) -> None:
+        self.inner, self.policy_of = inner, policy_of
+        self.vocab_size, self.eos_token_ids = inner.vocab_size, inner.eos_token_ids
+        self.max_seq_len, self.verify_token_buckets = inner.max_seq_len, inner.verify_token_buckets
+        self.while_verifying = None
+        self.windows: list[tuple[object, bool, bool]] = []  # (hook, lesson before, lesson after)
+
+    def prefill(self, inputs):
+        return self.inner.prefill(inputs)
+
+    def verify_and_commit(self, inputs):
+        hook, policy = self.while_verifying, self.policy_of()
+        before = policy._lesson is not None
+        if hook is not None:
+            hook()
+        self.windows.append((hook, before, policy._lesson is not None))
+        return self.inner.verify_and_commit(inputs)
+
+    def release(self, slot: int) -> None:
+        self.inner.release(slot)
+
+
+def test_the_last_steps_lesson_is_learned_while_the_device_verifies(
+    make_oracle_engine, greedy_references, prompt_ids, cost_files
+):
+    """A target that leaves the host idle during its verify gets the policy's `learn` to run
+    there (the H200 paid 0.35 ms a step for it before the drafter's shorter kernels); the hook
+    is gone after the call (another engine may share the target), and the output is unchanged."""
+    engine, _ = make_oracle_engine(
+        "ddtree", budget=8, max_num_seqs=3, budget_policy="adaptive", cost_curve=cost_files["free_nodes"]
+    )
+    steer_by_the_file(engine)
+    target = _DeviceLikeTarget(engine.target, lambda: engine.budget_policy)
+    engine.target = target
+    for i, prompt in enumerate(prompt_ids):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
+    outputs, _ = run_recording_steps(engine)
+    for i, prompt in enumerate(prompt_ids):
+        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
+    assert target.while_verifying is None
+    assert all(hook == engine.budget_policy.learn for hook, _, _ in target.windows)
+    # Past the calibrator's first steps (`plan` learns those at once), each step leaves its
+    # lesson to the next one's verify, which learns it.
+    settled = target.windows[LEARNING_STEPS + 1 :]
+    assert len(settled) >= 3 and all(before and not after for _, before, after in settled)

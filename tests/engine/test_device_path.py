@@ -128,3 +128,33 @@ def test_cuda_step_reads_the_device_once_and_matches_the_host_build(
             assert steady_state_syncs(engine, 3) == [1, 1, 1]
         outputs[placement] = run_to_completion(engine)
     assert outputs["device"] == outputs["host"]
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_a_cuda_verify_runs_the_engines_hook_while_its_kernels_are_queued(make_pair_config, prompt_ids):
+    """The adaptive policy's lesson runs inside each CUDA verify (`while_verifying`), once."""
+    config = make_pair_config(
+        mode="ddtree", budget=8, max_num_seqs=3, device="cuda", max_seq_len=256, budget_policy="adaptive"
+    )
+    engine = build_local_engine(config)
+    policy, target = engine.budget_policy, engine.target
+    inside, verifies, hooked = [False], [0], [0]
+    learn, verify = policy.learn, target.verify_and_commit
+
+    def counted_learn() -> None:
+        hooked[0] += inside[0]
+        learn()
+
+    def marked_verify(inputs):
+        inside[0], verifies[0] = True, verifies[0] + 1
+        try:
+            return verify(inputs)
+        finally:
+            inside[0] = False
+
+    policy.learn, target.verify_and_commit = counted_learn, marked_verify
+    for i, prompt in enumerate(prompt_ids):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    run_to_completion(engine)
+    assert verifies[0] > 5 and hooked[0] == verifies[0]
