@@ -14,8 +14,9 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
                                   (`step_overhead.py`), and how far the gate's prediction for
                                   its ceiling was off (`step_residual.py`)
     learn()                       the observed step's lesson, calibration and cost refresh: the
-                                  engine calls it while the next step's drafter runs; `choose`
-                                  and `observe` call it first, so no lesson is skipped
+                                  engine calls it inside the next step's verify (on CUDA while
+                                  the device computes); `observe` calls it first, so no lesson
+                                  is skipped
 The trees verified are best-first prefixes of the ones built (`TreeBatch.prefix`), so the
 choice reads drafter outputs only and verification stays lossless.
 """
@@ -40,6 +41,13 @@ little per step (decay 0.995), and the refit costs more host time than a fast st
 
 EARLY_CALIBRATIONS = 8
 """Updates made one drafted step at a time before the calibrator batches them."""
+
+NODE_LESSON_INTERVAL = 4
+"""Past the early calibrations, one drafted step in this many teaches its verified nodes (the
+calibrator, the gate's curve, the build cost); every step teaches its forwards' times. A node
+lesson took 0.13 ms of a 0.33 ms policy step on this CPU's replay at batch 4, twice that on the
+H200's host, where a whole step is 4 ms; the calibrator still sees one step in four, hundreds of
+nodes per update at batch 4, and probes and learning steps always teach."""
 
 LEARNING_STEPS = 4
 """Drafted steps the calibrator learns before the gate may judge drafting a loss: before them
@@ -121,6 +129,7 @@ class AdaptiveBudget:
         self._calibration_batch: list[tuple[np.ndarray, np.ndarray]] = []
         self._num_calibrations = 0
         self._learning = True  # this step drafts to teach the calibrator (`LEARNING_STEPS`)
+        self._num_drafted_steps = 0  # observed, for `NODE_LESSON_INTERVAL`
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
@@ -193,8 +202,9 @@ class AdaptiveBudget:
         batch, learned so, turned the gate plain for the next batch's first 16 steps (a tenth of
         its tokens/s, where drafting wins by a tenth).
         The batch is one matrix (row b: request b's built nodes, best-first, zeros past them):
-        the choice runs every step, so its work is a few array operations whatever the batch."""
-        self.learn()
+        the choice runs every step, so its work is a few array operations whatever the batch.
+        It chooses from the models as the step before the last left them: the last one's
+        lesson waits for this step's verify, whose device work hides it (`learn`)."""
         widest = min(self._ceiling, max(caps, default=0))  # what the step's trees may reach
         self._graph_capped = captured is not None and captured[-1] - 1 < widest
         lengths = trees.num_nodes - 1
@@ -236,7 +246,7 @@ class AdaptiveBudget:
 
         The step's record is made now; what it teaches (only drafted steps teach the calibrator,
         every timed call refreshes the cost curve) waits for `learn`, which the engine calls
-        while the next step's drafter runs, so the lesson costs the step no time of its own.
+        while the next step's verify runs on the device, so the lesson costs no step time.
         """
         self.learn()  # a lesson never waits behind another: they are learned in step order
         batch_size = trees.batch_size
@@ -254,6 +264,14 @@ class AdaptiveBudget:
         )
         nodes = None
         if drafted:
+            self._num_drafted_steps += 1
+        teaches_nodes = drafted and (
+            self._num_calibrations < EARLY_CALIBRATIONS
+            or self.probing
+            or self._learning
+            or self._num_drafted_steps % NODE_LESSON_INTERVAL == 0
+        )
+        if teaches_nodes:
             nodes = _DraftedNodes(
                 build_ms=self._build_ms,
                 built_lengths=self._built_lengths,
@@ -279,9 +297,11 @@ class AdaptiveBudget:
 
     def learn(self) -> None:
         """Apply the last observed step's lesson, if it is still pending: the cost curve and the
-        build cost from its timings, the calibrator from its verified nodes (`choose` and
-        `observe` call it first, so no allocation is chosen from a model that misses a step; the
-        gate's `plan` may decide a step behind, but for the first curve and after a probe)."""
+        build cost from its timings, the calibrator from its verified nodes. The engine calls it
+        during the next step's verify (on CUDA while the device computes: on the H200 it took
+        0.35 ms of host time a step, which the drafter's kernels, shorter, did not hide), so
+        `plan` and `choose` decide one step behind, but `plan` learns first for the first curve
+        and after a probe; `observe` calls it first, so lessons are learned in step order."""
         lesson, self._lesson = self._lesson, None
         if lesson is None:
             return
