@@ -159,30 +159,58 @@ class StepLog:
     tokens: int = 0
     seconds: float = 0.0
     ceilings: Counter = field(default_factory=Counter)
+    drafted_rows: int = 0  # requests of drafted steps (adaptive)
+    verified_nodes: int = 0  # draft nodes they verified
+    predicted: float = 0.0  # draft tokens the policy expected them to accept
+    accepted: int = 0  # draft tokens they accepted
+    graphs_captured: int = 0  # target verify graphs captured during these runs
+
+    def add(self, other: "StepLog") -> None:
+        names = ("steps", "tokens", "seconds", "drafted_rows", "verified_nodes", "predicted", "accepted")
+        for name in (*names, "graphs_captured"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.ceilings.update(other.ceilings)
 
     def summary(self) -> dict:
         steps = max(self.steps, 1)
         summary = {
             "tokens_per_step": self.tokens / steps,
             "ms_per_step": 1000.0 * self.seconds / steps,
+            "graphs_captured": self.graphs_captured,
         }
         if self.ceilings:
             summary["ceiling_share"] = {
                 str(c): n / sum(self.ceilings.values()) for c, n in sorted(self.ceilings.items())
             }
+        if self.drafted_rows:
+            summary["nodes_per_drafted_request"] = self.verified_nodes / self.drafted_rows
+            summary["predicted_per_drafted_request"] = self.predicted / self.drafted_rows
+            summary["accepted_per_drafted_request"] = self.accepted / self.drafted_rows
         return summary
 
 
-def _log_ceilings(policy: AdaptiveBudget, log: dict[str, StepLog]) -> None:
-    """Counts each `plan` choice into `log["adaptive"]` (one policy lives through the sweep)."""
-    plan = policy.plan
+def _log_choices(policy: AdaptiveBudget, log: dict[str, StepLog]) -> None:
+    """Counts each `plan` choice, and each drafted step's verified, expected and accepted draft
+    nodes, into `log["adaptive"]` (one policy lives through the sweep)."""
+    plan, observe = policy.plan, policy.observe
 
     def logged_plan(caps):
         ceiling = plan(caps)
         log.setdefault("adaptive", StepLog()).ceilings[ceiling] += 1
         return ceiling
 
+    def logged_observe(*args, **kwargs):
+        step = observe(*args, **kwargs)
+        if step.drafted:
+            entry = log.setdefault("adaptive", StepLog())
+            entry.drafted_rows += len(step.num_nodes)
+            entry.verified_nodes += sum(step.num_nodes)
+            entry.predicted += step.predicted_accepted
+            entry.accepted += step.accepted
+        return step
+
     policy.plan = logged_plan  # type: ignore[method-assign]
+    policy.observe = logged_observe  # type: ignore[method-assign]
 
 
 def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], list[dict]]:
@@ -216,7 +244,7 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
     recorder = TraceRecorder(max(budgets))
     rows, diagnostics = [], []
     logs: dict[str, StepLog] = {}
-    _log_ceilings(calibrating.budget_policy, logs)
+    _log_choices(calibrating.budget_policy, logs)
     for concurrency in concurrencies:
         configs: list[tuple[str, SpecEngine]] = [("ar", _engine(base, "ar", target, None, tokenizer))]
         for budget in budgets:
@@ -241,14 +269,12 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
         for run in range(args.warmup_runs + args.repeats):  # round-robin: drift falls on all alike
             for name, engine in configs:
                 logs[name] = StepLog()
+                graphs = _num_verify_graphs(target)
                 rate = _tokens_per_s(engine, prompts, concurrency, args.max_tokens, str(run), logs[name])
+                logs[name].graphs_captured = _num_verify_graphs(target) - graphs
                 if run >= args.warmup_runs:
                     samples[name].append(rate)
-                    timed = logs.setdefault(f"timed-{name}", StepLog())
-                    timed.steps += logs[name].steps
-                    timed.tokens += logs[name].tokens
-                    timed.seconds += logs[name].seconds
-                    timed.ceilings.update(logs[name].ceilings)
+                    logs.setdefault(f"timed-{name}", StepLog()).add(logs[name])
         row.update({name: float(np.median(rates)) for name, rates in samples.items()})
         rows.append(row)
         steps = {name: logs.pop(f"timed-{name}").summary() for name, _ in configs}
@@ -293,12 +319,30 @@ def _tokens_per_s(
     return num_tokens / elapsed
 
 
+def _num_verify_graphs(target) -> int:
+    """The verify CUDA graphs the target holds (0 when it runs eagerly): a capture mid-run costs
+    tens of milliseconds, which a short timed run feels and a server pays once per shape."""
+    graphs = getattr(getattr(target, "runner", None), "graphs", None)
+    return 0 if graphs is None else graphs.forward.num_graphs
+
+
 def _steps_line(steps: dict[str, dict]) -> str:
     """Tokens and milliseconds per engine step of each configuration, and the adaptive ceilings."""
-    parts = [f"{n} {s['tokens_per_step']:.2f} tok / {s['ms_per_step']:.2f} ms" for n, s in steps.items()]
-    shares = steps.get("adaptive", {}).get("ceiling_share", {})
-    ceilings = ", ".join(f"{c}: {share:.0%}" for c, share in shares.items())
-    return "  per step: " + "; ".join(parts) + (f"; adaptive ceilings {ceilings}" if ceilings else "")
+    parts = [
+        f"{n} {s['tokens_per_step']:.2f} tok / {s['ms_per_step']:.2f} ms"
+        + (f" ({s['graphs_captured']} graphs captured)" if s["graphs_captured"] else "")
+        for n, s in steps.items()
+    ]
+    adaptive = steps.get("adaptive", {})
+    ceilings = ", ".join(f"{c}: {share:.0%}" for c, share in adaptive.get("ceiling_share", {}).items())
+    line = "  per step: " + "; ".join(parts) + (f"; adaptive ceilings {ceilings}" if ceilings else "")
+    if "nodes_per_drafted_request" in adaptive:
+        line += (
+            f"; per drafted request {adaptive['nodes_per_drafted_request']:.1f} nodes verified, "
+            f"{adaptive['predicted_per_drafted_request']:.2f} expected / "
+            f"{adaptive['accepted_per_drafted_request']:.2f} accepted"
+        )
+    return line
 
 
 # ----------------------------------------------------------------------------- simulation
