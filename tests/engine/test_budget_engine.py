@@ -213,7 +213,7 @@ def test_a_probe_drafts_the_requests_whose_drafter_context_lags_least(
         lags = {id(r): r.num_cached_tokens - r.num_drafter_context_tokens for r in engine.scheduler.running}
         lags.update({id(r): r.num_prompt_tokens for r in engine.scheduler.waiting})
         # The probe's order: trees a request's end cuts short last, then the drafter's lag.
-        order = {id(r): (engine._keepable_depth(r) < engine.block_size, lags[id(r)]) for r in running}
+        order = {id(r): (engine._keepable_depths([r])[0] < engine.block_size, lags[id(r)]) for r in running}
         drafted_before = {id(r): r.num_drafter_context_tokens for r in running}
         for output in engine.step():
             if output.finished:
