@@ -489,6 +489,17 @@ def markdown_table(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def replot(path: Path) -> None:
+    """The table and plot of a saved live sweep (a device call brings back few files)."""
+    sweep = json.loads(path.read_text())
+    args = sweep["args"]
+    title = f"Budget sweep, {args['device']} {args['dtype']}, {args['max_tokens']} new tokens"
+    table = markdown_table(sweep["rows"], title)
+    path.with_suffix(".md").write_text(table)
+    plot(sweep["rows"], path.with_suffix(".png"), title)
+    print(table + f"wrote {path.with_suffix('.md')}, {path.with_suffix('.png')}")
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -559,6 +570,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="simulation: fit the host build cost from this live sweep's JSON (with its cost curve "
         "as --simulate-cost and its --traces) and use it",
     )
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="a live sweep's JSON: write its table and plot beside it (.md, .png), run nothing",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     return parser.parse_args(argv)
@@ -568,6 +585,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.replot is not None:
+        replot(args.replot)
+        return
     if args.simulate_cost is None:
         rows, traces, diagnostics = run_live(args)
         args.traces.parent.mkdir(parents=True, exist_ok=True)

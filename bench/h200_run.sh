@@ -31,7 +31,7 @@ for stage in "${STAGES[@]}"; do
     nvidia) run nvidia 20 nvidia-smi ;;
     budget) run budget 200 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 64 --out-dir /tmp/budget --traces /tmp/budget/budget_traces_cuda.json
-      cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png "$OUT/"
+      cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png /tmp/budget/budget_build_cost_cuda.json "$OUT/"
       xz -c /tmp/budget/budget_traces_cuda.json >"$OUT/budget_traces_cuda.json.xz" ;;
     hops) run hops 240 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8 \
       --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 --rounds 1 ;;
@@ -45,8 +45,7 @@ for stage in "${STAGES[@]}"; do
       --transport actor_calls compiled_graph --overlap off on --concurrency 1 4 16 64 ;;
     budget256) run budget256 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 256 --max-seq-len 1024 --out-dir /tmp/budget256 --traces /tmp/budget256/traces.json
-      cp /tmp/budget256/budget_sweep.png "$OUT/budget256_sweep.png"
-      cp /tmp/budget256/budget_sweep.json "$OUT/budget256_sweep.json" ;;
+      cp /tmp/budget256/budget_sweep.json "$OUT/budget256_sweep.json" ;;  # plot it with --replot
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done
