@@ -352,12 +352,13 @@ def test_the_calibrator_learns_the_first_steps_at_once_then_in_batches():
     probe = np.exp(tree.logws[0, 1:2])
     calibrated = []
     for _ in range(EARLY_CALIBRATIONS + CALIBRATION_STEPS * NODE_LESSON_INTERVAL):
-        policy.plan([8])
+        # A cap of one node: no neighbouring ceiling to probe, whose steps would teach out of turn.
+        policy.plan([1])
         policy.record_draft_ms(1.0)
-        allocation = policy.choose(tree, [8])
+        allocation = policy.choose(tree.prefix([1]), [1])
         policy.record_verify_ms(4.0)
         # The first node always accepted: the forecast for it rises, and drafting keeps winning
-        # (no plain steps, whose probes would teach out of turn).
+        # (no plain steps, whose probes would teach out of turn too).
         policy.observe(tree.prefix(allocation.num_nodes), [[1]])
         policy.learn()
         calibrated.append(float(policy.calibrator.calibrate(probe)[0]))
@@ -424,3 +425,28 @@ def test_the_gates_curve_under_one_calibration_is_the_mean_of_the_calibrated_tre
     gate.record_curve(rows, lengths, calibrate=calibrate)
     reaching = (np.arange(8) < lengths[:, None]).sum(axis=0)
     np.testing.assert_allclose(calibrate(gate.curve) * gate.spread, calibrate(rows).sum(axis=0) / reaching)
+
+
+def test_a_probe_of_the_neighbouring_ceilings_always_teaches_the_gates_curve():
+    """Past the early calibrations one drafted step in `NODE_LESSON_INTERVAL` teaches its nodes,
+    but a probe of the choice's neighbours always does: its trees are the gate's only news of
+    the curve past the chosen width (else it could settle at 16 where 32 wins, for good)."""
+    # Nodes cost a little, so the gate settles below the cap and probes around its choice.
+    policy = AdaptiveBudget(linear_curve(4.0, 0.05, draft_ms=1.0), learning_steps=0)
+    taught = {True: [], False: []}  # probe step -> whether its lesson moved the curve
+    for step in range(EARLY_CALIBRATIONS + 40):
+        # A new draft each step: a lesson moves the curve, a step that teaches none leaves it.
+        tree = TreeBatch.from_trees([build_ddtree(*random_draft(step, depth=8, k=16), 32, root_token=7)])
+        ceiling = policy.plan([32])
+        probe = policy.gate.probing_neighbour
+        policy.record_draft_ms(1.0)
+        allocation = policy.choose(tree.prefix([ceiling]), [32])
+        policy.record_verify_ms(4.0 + 0.05 * (sum(allocation.num_nodes) + 1))
+        policy.observe(tree.prefix(allocation.num_nodes), [[1]])
+        before = None if policy.gate.curve is None else policy.gate.curve.copy()
+        policy.learn()
+        if step >= EARLY_CALIBRATIONS and before is not None:
+            moved = len(before) != len(policy.gate.curve) or not np.allclose(before, policy.gate.curve)
+            taught[probe].append(moved)
+    assert taught[True] and all(taught[True])
+    assert taught[False] and not all(taught[False])  # the others teach one step in four

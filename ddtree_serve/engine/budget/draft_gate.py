@@ -85,6 +85,9 @@ class DraftGate:
         self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, probe_interval)
         self._probe_bucket: int | None = None  # the batch bucket the interval was reset for
         self.probing = False  # the last ceiling is a probe after plain steps
+        # The last ceiling is a probe of a neighbour of the drafting choice (wider or narrower):
+        # its trees are what keeps the curve past the chosen width current.
+        self.probing_neighbour = False
         # (batch bucket, cap) of the streak under way (None: decide the next step), its choice,
         # its steps since decided, and the predicted ms of its step (read by a drafting streak; a
         # plain one prices its step anew each time): see `ceiling`.
@@ -139,7 +142,7 @@ class DraftGate:
             # moves it little.
             self.steps_since_probe += 1
             self._streak_age += 1
-            self.probing = False
+            self.probing = self.probing_neighbour = False
             choice = min(self._streak_choice, cap)
             if choice == 0:
                 self._decided = (batch_size, 0, plain_ms)  # its price is read again every step
@@ -177,6 +180,7 @@ class DraftGate:
             if best > 0:
                 self.drafted_probe_interval = min(2 * self.drafted_probe_interval, self.probe_interval)
         self.probing = best == 0 and chosen > 0
+        self.probing_neighbour = best > 0 and chosen != best
         if best > 0:
             self.plain_probe_intervals.pop(streak[0], None)
         elif chosen > 0:

@@ -47,7 +47,9 @@ NODE_LESSON_INTERVAL = 4
 calibrator, the gate's curve, the build cost); every step teaches its forwards' times. A node
 lesson took 0.13 ms of a 0.33 ms policy step on this CPU's replay at batch 4, twice that on the
 H200's host, where a whole step is 4 ms; the calibrator still sees one step in four, hundreds of
-nodes per update at batch 4, and probes and learning steps always teach."""
+nodes per update at batch 4, and probes (of drafting after plain steps, and of the neighbours
+of the drafting choice, whose trees are the gate's only news past its chosen width) and
+learning steps always teach."""
 
 LEARNING_STEPS = 4
 """Drafted steps the calibrator learns before the gate may judge drafting a loss: before them
@@ -268,6 +270,7 @@ class AdaptiveBudget:
         teaches_nodes = drafted and (
             self._num_calibrations < EARLY_CALIBRATIONS
             or self.probing
+            or self.gate.probing_neighbour
             or self._learning
             or self._num_drafted_steps % NODE_LESSON_INTERVAL == 0
         )
