@@ -163,7 +163,7 @@ class StepLog:
     verified_nodes: int = 0  # draft nodes they verified
     predicted: float = 0.0  # draft tokens the policy expected them to accept
     accepted: int = 0  # draft tokens they accepted
-    graphs_captured: int = 0  # target verify graphs captured during these runs
+    graphs_captured: int = 0  # CUDA graphs (target verify, drafter) captured during these runs
 
     def add(self, other: "StepLog") -> None:
         names = ("steps", "tokens", "seconds", "drafted_rows", "verified_nodes", "predicted", "accepted")
@@ -269,9 +269,9 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
         for run in range(args.warmup_runs + args.repeats):  # round-robin: drift falls on all alike
             for name, engine in configs:
                 logs[name] = StepLog()
-                graphs = _num_verify_graphs(target)
+                graphs = _num_graphs(target, drafter)
                 rate = _tokens_per_s(engine, prompts, concurrency, args.max_tokens, str(run), logs[name])
-                logs[name].graphs_captured = _num_verify_graphs(target) - graphs
+                logs[name].graphs_captured = _num_graphs(target, drafter) - graphs
                 if run >= args.warmup_runs:
                     samples[name].append(rate)
                     logs.setdefault(f"timed-{name}", StepLog()).add(logs[name])
@@ -319,11 +319,19 @@ def _tokens_per_s(
     return num_tokens / elapsed
 
 
-def _num_verify_graphs(target) -> int:
-    """The verify CUDA graphs the target holds (0 when it runs eagerly): a capture mid-run costs
-    tens of milliseconds, which a short timed run feels and a server pays once per shape."""
-    graphs = getattr(getattr(target, "runner", None), "graphs", None)
-    return 0 if graphs is None else graphs.forward.num_graphs
+def _num_graphs(target, drafter) -> int:
+    """CUDA graphs the target's verify and the drafter's two forwards hold (0 when eager): a
+    capture mid-run costs tens of milliseconds, which a short timed run feels and a server pays
+    once per shape (a drafter after plain steps appends more context than one step's: new
+    append buckets)."""
+    forwards = []
+    target_graphs = getattr(getattr(target, "runner", None), "graphs", None)
+    if target_graphs is not None:
+        forwards.append(target_graphs.forward)
+    drafter_graphs = getattr(getattr(drafter, "drafter", None), "graphs", None)
+    if drafter_graphs is not None:
+        forwards += [drafter_graphs.append, drafter_graphs.block]
+    return sum(forward.num_graphs for forward in forwards)
 
 
 def _steps_line(steps: dict[str, dict]) -> str:
