@@ -31,7 +31,7 @@ import argparse
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -158,7 +158,7 @@ class StepLog:
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    ceilings: Counter = field(default_factory=Counter)
+    ceilings: Counter[int] = field(default_factory=Counter)
     drafted_rows: int = 0  # requests of drafted steps (adaptive)
     verified_nodes: int = 0  # draft nodes they verified
     predicted: float = 0.0  # draft tokens the policy expected them to accept
@@ -166,10 +166,11 @@ class StepLog:
     graphs_captured: int = 0  # CUDA graphs (target verify, drafter) captured during these runs
 
     def add(self, other: "StepLog") -> None:
-        names = ("steps", "tokens", "seconds", "drafted_rows", "verified_nodes", "predicted", "accepted")
-        for name in (*names, "graphs_captured"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.ceilings.update(other.ceilings)
+        for item in fields(self):
+            if item.name == "ceilings":
+                self.ceilings.update(other.ceilings)
+            else:
+                setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
 
     def summary(self) -> dict:
         steps = max(self.steps, 1)
@@ -203,7 +204,7 @@ def _log_choices(policy: AdaptiveBudget, log: dict[str, StepLog]) -> None:
         step = observe(*args, **kwargs)
         if step.drafted:
             entry = log.setdefault("adaptive", StepLog())
-            entry.drafted_rows += len(step.num_nodes)
+            entry.drafted_rows += sum(n > 0 for n in step.num_nodes)  # a probe drafts a few
             entry.verified_nodes += sum(step.num_nodes)
             entry.predicted += step.predicted_accepted
             entry.accepted += step.accepted
@@ -497,11 +498,17 @@ def markdown_table(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _live_title(device: str, dtype: str, max_tokens: int) -> str:
+    return f"Budget sweep, {device} {dtype}, {max_tokens} new tokens"
+
+
 def replot(path: Path) -> None:
     """The table and plot of a saved live sweep (a device call brings back few files)."""
     sweep = json.loads(path.read_text())
     args = sweep["args"]
-    title = f"Budget sweep, {args['device']} {args['dtype']}, {args['max_tokens']} new tokens"
+    if args.get("simulate_cost"):
+        raise SystemExit(f"{path} is a simulation's: --replot takes a live sweep's JSON")
+    title = _live_title(args["device"], args["dtype"], args["max_tokens"])
     table = markdown_table(sweep["rows"], title)
     path.with_suffix(".md").write_text(table)
     plot(sweep["rows"], path.with_suffix(".png"), title)
@@ -600,10 +607,7 @@ def main(argv: list[str] | None = None) -> None:
         rows, traces, diagnostics = run_live(args)
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         args.traces.write_text(json.dumps([t.as_json() for t in traces]) + "\n")
-        title, stem = (
-            f"Budget sweep, {args.device} {args.dtype}, {args.max_tokens} new tokens",
-            "budget_sweep",
-        )
+        title, stem = _live_title(args.device, args.dtype, args.max_tokens), "budget_sweep"
     else:
         if not args.traces.exists():
             raise SystemExit(f"no traces at {args.traces}: run the live sweep first (it records them)")

@@ -33,6 +33,9 @@ Transports that can run the two actors at once also implement `PipelinedTarget` 
 engine's overlapped step (`SpecEngine(overlap=True)`) has the target verify one micro-batch
 while the drafter drafts the other; in process the blocking calls stand in (`Ready`).
 
+A target whose verify leaves the host idle while its device computes (CUDA in this process) is
+an `AsyncDeviceTarget`: the engine hands it host work for that time (`while_verifying`).
+
 A transport that reaches both actors in one round trip may also implement `DraftChainingTarget`:
 `submit_verify_then_draft` verifies, and then the drafter drafts every verified request's next
 block from the verdict's bonus tokens and features, before anything returns to the engine. The

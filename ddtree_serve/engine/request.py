@@ -76,17 +76,17 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        max_output_tokens: int | None = None,
-        tree_budget: int = 0,
+        max_output_tokens: int,
+        tree_budget: int,
     ) -> None:
         """`max_output_tokens`: what the engine lets it generate (max_tokens, capped by the
-        slot's room; default max_tokens); `tree_budget`: draft nodes a step may verify for it
+        slot's room); `tree_budget`: draft nodes a step may verify for it
         (its draft_budget under the engine's budget). Both are fixed for the request's life and
         read every step, so the engine works them out once."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.max_output_tokens = params.max_tokens if max_output_tokens is None else max_output_tokens
+        self.max_output_tokens = max_output_tokens
         self.tree_budget = tree_budget
         self.status = RequestStatus.WAITING
         self.slot: int | None = None

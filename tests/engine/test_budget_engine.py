@@ -18,6 +18,7 @@ from ddtree_serve.engine.budget import BudgetStep, BuildCost
 from ddtree_serve.engine.budget.policy import LEARNING_STEPS
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import StepResidual
+from ddtree_serve.engine.interfaces import TargetUnavailableError
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import PROBE_REQUESTS, SpecEngine
@@ -354,3 +355,24 @@ def test_the_last_steps_lesson_is_learned_while_the_device_verifies(
     # lesson to the next one's verify, which learns it.
     settled = target.windows[LEARNING_STEPS + 1 :]
     assert len(settled) >= 3 and all(before and not after for _, before, after in settled)
+
+
+def test_a_verify_that_raises_leaves_no_hook_on_the_target(make_oracle_engine, prompt_ids, cost_files):
+    """The hook is the calling engine's for one call only: a target lost mid-verify must not
+    keep it (another engine, or the next one after a restart, may call that target)."""
+    engine, _ = make_oracle_engine(
+        "ddtree", budget=8, max_num_seqs=3, budget_policy="adaptive", cost_curve=cost_files["free_nodes"]
+    )
+    target = _DeviceLikeTarget(engine.target, lambda: engine.budget_policy)
+    engine.target = target
+
+    def lost(inputs):
+        assert target.while_verifying is not None  # set for the call
+        raise TargetUnavailableError("the device is gone")
+
+    target.verify_and_commit = lost  # type: ignore[method-assign]
+    engine.add_request("0", prompt_ids[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    with pytest.raises(TargetUnavailableError):
+        for _ in range(3):
+            engine.step()
+    assert target.while_verifying is None

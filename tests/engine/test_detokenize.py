@@ -93,7 +93,7 @@ def long_output(tokenizer: Tokenizer) -> list[int]:
 def run_incremental(tokenizer, ids: list[int], stop: tuple[str, ...], step_sizes=STEP_SIZES) -> Run:
     """Feed `ids` step by step through the stop checker; detokenize every step's output."""
     params = SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stop)
-    request = Request("r", [0], params)
+    request = Request("r", [0], params, max_output_tokens=params.max_tokens, tree_budget=0)
     checker = StopChecker(tokenizer, eos_token_ids=())
     detokenizer = Detokenizer(tokenizer, stop)
     deltas, step_of_token, position = [], [], 0
@@ -197,7 +197,8 @@ def test_an_output_seen_only_when_finished_decodes_once(tokenizer):
     """`LLM.generate` detokenizes only the final output: all of it in one decode."""
     ids = long_output(tokenizer)
     counting = CountingTokenizer(tokenizer)
-    request = Request("r", [0], SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
+    params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
+    request = Request("r", [0], params, max_output_tokens=NUM_TOKENS, tree_budget=0)
     StopChecker(counting, eos_token_ids=()).append(request, ids, max_output_tokens=NUM_TOKENS)
     final = Detokenizer(counting, ()).update(request.take_output())
     assert final.finished and final.text == final.delta_text == tokenizer.decode(ids)

@@ -16,7 +16,8 @@ def make_scheduler(max_num_seqs: int = 3, max_num_batched_tokens: int = 1000, ma
 
 
 def request(name: str, prompt_len: int = 4) -> Request:
-    return Request(name, list(range(prompt_len)), SamplingParams())
+    params = SamplingParams()
+    return Request(name, list(range(prompt_len)), params, max_output_tokens=params.max_tokens, tree_budget=0)
 
 
 def test_batch_size_limit_and_slot_reuse():

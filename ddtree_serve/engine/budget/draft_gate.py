@@ -23,8 +23,8 @@ predicted at 0.8-1.0x plain decoding, measured at 0.72x) the back-off was reset 
 decision near the boundary and by each run's tail, so every 31-step run paid a probe (7-8%).
 
 The curve is an EMA, per best-first position, of the drafted trees' drafter probabilities
-averaged over their requests (a step's trees are learned while the next step drafts, a probe's
-before the next decision), calibrated when the gate decides, with the calibrator as it is then.
+averaged over their requests (a step's trees are learned during the next step's verify, a
+probe's before the next decision), calibrated when the gate decides, with the calibrator as it is then.
 An EMA of calibrated values kept the calibration each step had when it was learned: the bundled
 drafter's first trees, priced at half what it accepts, held the gate on plain steps at batch 1
 through whole runs where drafting wins by a fifth, since only the rare probes refreshed the

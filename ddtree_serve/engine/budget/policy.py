@@ -144,7 +144,7 @@ class AdaptiveBudget:
         ):
             # The first drafted steps' trees give the gate its curve and the calibrator its
             # first data, and a probe's tell it whether to draft again, before it decides (else
-            # the lesson waits for the draft).
+            # the lesson waits for the next verify).
             self.learn()
         self._learning = self._num_calibrations < self.learning_steps
         self._ceiling = self.gate.ceiling(
@@ -247,8 +247,9 @@ class AdaptiveBudget:
         `padded_num_nodes`: the nodes per tree the verify ran (default: the widest tree's).
 
         The step's record is made now; what it teaches (only drafted steps teach the calibrator,
-        every timed call refreshes the cost curve) waits for `learn`, which the engine calls
-        while the next step's verify runs on the device, so the lesson costs no step time.
+        every timed call refreshes the cost curve) waits for `learn`, which a CUDA target runs
+        while the next step's verify computes (`AsyncDeviceTarget`), hiding what the device's
+        work outlasts; elsewhere the next `observe` learns it.
         """
         self.learn()  # a lesson never waits behind another: they are learned in step order
         batch_size = trees.batch_size
