@@ -33,8 +33,9 @@ Transports that can run the two actors at once also implement `PipelinedTarget` 
 engine's overlapped step (`SpecEngine(overlap=True)`) has the target verify one micro-batch
 while the drafter drafts the other; in process the blocking calls stand in (`Ready`).
 
-A target whose verify leaves the host idle while its device computes (CUDA in this process) is
-an `AsyncDeviceTarget`: the engine hands it host work for that time (`while_verifying`).
+A target whose verify leaves the host idle while its device computes (CUDA in this process) or
+its worker does (a Ray actor) is an `AsyncDeviceTarget`: the engine hands it host work for that
+time (`while_verifying`).
 
 A transport that reaches both actors in one round trip may also implement `DraftChainingTarget`:
 `submit_verify_then_draft` verifies, and then the drafter drafts every verified request's next
@@ -308,9 +309,10 @@ class PipelinedDrafter(Protocol):
 
 @runtime_checkable
 class AsyncDeviceTarget(Protocol):
-    """A `Target` whose verify leaves the host idle while its device computes (CUDA, in this
-    process): `while_verifying`, when set, runs once in that idle time, between launching the
-    verify's device work and reading its results back (the engine's policy learns there)."""
+    """A `Target` whose verify leaves the caller idle while its device computes (CUDA, in this
+    process) or its worker does (a Ray actor): `while_verifying`, when set, runs once in that
+    idle time, after the verify's work was launched or sent and before its results are read
+    back (the engine's policy learns there)."""
 
     while_verifying: Callable[[], None] | None
 

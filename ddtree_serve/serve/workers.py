@@ -334,6 +334,9 @@ class RayTarget(DescribedTarget):
         dead for good."""
         self._actor = actor
         super().__init__(_describe_restarted(actor))
+        # `AsyncDeviceTarget`: the engine's host work while the worker verifies (the call is
+        # milliseconds of round trip on top of the model, all of it idle time here).
+        self.while_verifying: Callable[[], None] | None = None
 
     @property
     def actor(self) -> Any:
@@ -350,7 +353,10 @@ class RayTarget(DescribedTarget):
         return dataclasses.replace(output, context=context_ref)
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
-        return self.submit_verify(inputs).result()
+        pending = self.submit_verify(inputs)
+        if self.while_verifying is not None:
+            self.while_verifying()  # the worker verifies meanwhile
+        return pending.result()
 
     def submit_verify(self, inputs: VerifyInput) -> Pending[VerifyOutput]:
         """The verify call in flight: the drafter actor may run a draft meanwhile (overlap)."""

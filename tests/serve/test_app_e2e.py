@@ -536,3 +536,35 @@ def test_actor_adapters_forward_context_as_an_object_ref_and_match_in_process_mo
     assert torch.equal(remote_prefill.first_tokens, local_prefill.first_tokens)
     assert torch.equal(remote_draft.ids, local_draft.ids)
     torch.testing.assert_close(remote_draft.logp, local_draft.logp)
+
+
+def test_a_remote_verify_runs_the_engines_hook_once_and_returns_what_it_would_without(
+    cluster: ServeCluster, tiny_model_dirs: TinyModelDirs
+) -> None:
+    """`RayTarget` is an `AsyncDeviceTarget`: the engine's host work runs once per verify, after
+    the call went out, and the verdict is the one a verify without it returns."""
+    import torch
+
+    from ddtree_serve.engine.builder import TargetStepFactory
+    from ddtree_serve.engine.interfaces import PrefillInput, SamplingBatch, VerifyInput
+    from ddtree_serve.serve.workers import RayTarget, TargetWorker
+    from ddtree_serve.tree import TreeBatch
+
+    engine_config = EngineConfig.model_validate(cluster.config.engine.model_dump())
+    remote_target = RayTarget(TargetWorker.options(num_cpus=0.01).remote(TargetStepFactory(engine_config)))
+    greedy = SamplingBatch(
+        temperature=torch.zeros(1),
+        top_k=torch.zeros(1, dtype=torch.int64),
+        top_p=torch.ones(1),
+        all_greedy=True,
+    )
+    bonus_tokens, hooked = [], []
+    for slot, hook in ((0, lambda: hooked.append(True)), (1, None)):  # the same prompt twice
+        prefill = remote_target.prefill(PrefillInput([slot], [[5, 6, 7, 8]], greedy, None))
+        roots = TreeBatch.root_only(prefill.first_tokens.tolist()).verify_batch()
+        remote_target.while_verifying = hook
+        inputs = VerifyInput([slot], roots, greedy, None, None, return_context=False)
+        verdict = remote_target.verify_and_commit(inputs)
+        bonus_tokens.append(verdict.bonus_token.tolist())
+    assert hooked == [True]
+    assert bonus_tokens[0] == bonus_tokens[1]
