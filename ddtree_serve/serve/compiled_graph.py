@@ -37,6 +37,7 @@ graph (`discard` drops the old one).
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import ray
@@ -123,6 +124,9 @@ class StepGraph:
         self._target_releases: list[int] = []
         self._drafter_releases: list[int] = []
         self._graph: Any = None
+        # Host work for the next execution's wait (`GraphTarget.while_verifying`): run once,
+        # after the execution is sent and before its results are read.
+        self.while_running: Callable[[], None] | None = None
         self._compile()
 
     @property
@@ -238,6 +242,7 @@ class StepGraph:
                 target_ref, drafter_ref = self._graph.execute(drafter_call, execution.target)
                 role = "chained" if execution.chained is not None else "draft"
                 refs = [("target", target_ref), (role, drafter_ref)]
+            self._run_while_waiting()
             for role, ref in refs:
                 # Channel values are views of the channel's buffer, which the next execution
                 # cannot write while one lives (a carried draft outlives a step): copied out.
@@ -248,6 +253,11 @@ class StepGraph:
             self._break(execution, error)
         except TargetRestartedError as error:  # compiled over a target that restarted since
             execution.target_error = target_lost(error)
+
+    def _run_while_waiting(self) -> None:
+        hook, self.while_running = self.while_running, None
+        if hook is not None:
+            hook()
 
     def _break(self, execution: _Execution, error: Exception) -> None:
         """An actor of the graph is gone: tear it down, tell which one, save the target's call."""
@@ -275,6 +285,7 @@ class StepGraph:
         assert execution.target is not None
         actor = self._target.actor
         ref = (actor.replay_graph_call if replay else actor.graph_call).remote(execution.target)
+        self._run_while_waiting()
         try:
             execution.target_result = from_wire(ray.get(ref if replay else ref[0]))
         except (RayActorError, TargetRestartedError) as error:
@@ -288,6 +299,9 @@ class GraphTarget:
     def __init__(self, graph: StepGraph, target: RayTarget) -> None:
         self._graph = graph
         self._target = target
+        # `AsyncDeviceTarget`: the engine's host work while the workers run the verify's
+        # execution (it is handed to the graph for that one execution).
+        self.while_verifying: Callable[[], None] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -320,7 +334,12 @@ class GraphTarget:
         return pending.result()
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
-        return self.submit_verify(inputs).result()
+        pending = self.submit_verify(inputs)
+        self._graph.while_running = self.while_verifying
+        try:
+            return pending.result()
+        finally:
+            self._graph.while_running = None
 
     def submit_verify(self, inputs: VerifyInput) -> Pending[VerifyOutput]:
         context = GraphContext(0) if inputs.return_context else None
