@@ -226,6 +226,32 @@ def test_chained_drafts_are_refused_over_the_overlapped_graph(served_engine: Spe
         target.submit_verify_then_draft(SimpleNamespace(return_context=True), 8)  # type: ignore[arg-type]
 
 
+def test_a_serial_verify_runs_the_engines_host_work_while_the_workers_run(served_engine: SpecEngine) -> None:
+    """`GraphTarget` / `RayTarget` are `AsyncDeviceTarget`s: the host work the engine hands a
+    verify (the adaptive policy's lesson) runs once per verify, while the workers compute. Only
+    the serial, unchained step calls `verify_and_commit`; the others submit their verifies."""
+    if served_engine.overlap or served_engine.chains_drafts:
+        pytest.skip("the overlapped and chained steps submit their verifies")
+    target: Any = served_engine.target
+    verify, calls = target.verify_and_commit, Counter()
+
+    def hooked(inputs: Any) -> Any:
+        calls["verify"] += 1
+        target.while_verifying = lambda: calls.update(["hook"])
+        try:
+            return verify(inputs)
+        finally:
+            target.while_verifying = None
+
+    target.verify_and_commit = hooked
+    try:
+        outputs = _run(served_engine, [(0, "hooked", PROMPTS[0], _greedy(12))])
+    finally:
+        del target.verify_and_commit
+    assert len(outputs["hooked"]) == 12
+    assert calls["verify"] > 2 and calls["hook"] == calls["verify"]
+
+
 def test_a_killed_drafter_decodes_plainly_then_speculates_again(
     served_engine: SpecEngine, local_engine: SpecEngine
 ) -> None:
@@ -307,29 +333,3 @@ def _until_restarted(actor: Any, timeout_s: float = 120.0) -> None:
             pass
         time.sleep(0.05)
     pytest.fail(f"the target actor did not restart within {timeout_s:g} s")
-
-
-def test_a_serial_verify_runs_the_engines_host_work_while_the_workers_run(served_engine: SpecEngine) -> None:
-    """`GraphTarget` / `RayTarget` are `AsyncDeviceTarget`s: the host work the engine hands a
-    verify (the adaptive policy's lesson) runs once per verify, while the workers compute. Only
-    the serial, unchained step calls `verify_and_commit`; the others submit their verifies."""
-    if served_engine.overlap or served_engine.chains_drafts:
-        pytest.skip("the overlapped and chained steps submit their verifies")
-    target: Any = served_engine.target
-    verify, calls = target.verify_and_commit, Counter()
-
-    def hooked(inputs: Any) -> Any:
-        calls["verify"] += 1
-        target.while_verifying = lambda: calls.update(["hook"])
-        try:
-            return verify(inputs)
-        finally:
-            target.while_verifying = None
-
-    target.verify_and_commit = hooked
-    try:
-        outputs = _run(served_engine, [(0, "hooked", PROMPTS[0], _greedy(12))])
-    finally:
-        del target.verify_and_commit
-    assert len(outputs["hooked"]) == 12
-    assert calls["verify"] > 2 and calls["hook"] == calls["verify"]
