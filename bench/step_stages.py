@@ -1,0 +1,184 @@
+"""Where an engine step's wall time goes, stage by stage: the adaptive budget against fixed ones.
+
+The budget sweep says how fast each configuration is; this says why. One in-process engine per
+configuration over the same target and drafter runs `--runs` timed runs of `--concurrency`
+identical-length greedy requests (after `--warmup-runs`), and every stage of its step is timed
+with the wall clock as the engine calls it (no syncs added, so a stage that reads the device
+back holds the wait for the kernels before it): the engine's own stages, the adaptive policy's
+calls (`plan`, `choose`, `learn`, `observe`) and the draft's copy to the host (`topk_on_host`,
+inside the draft stage under the adaptive policy, inside the build otherwise). For the adaptive
+engine the steps are also split by the ceiling its policy chose. Milliseconds per step; a stage's
+figure includes the stages it calls (`_verify` holds `target.verify_and_commit`).
+
+    python bench/step_stages.py --device cuda --dtype bfloat16 --concurrency 1 4 16 64
+
+It found, on the H200 (eleventh session), that the adaptive engine verified fixed-32's trees and
+lost on its policy's host time (`plan` + `choose` + `learn` + `observe`, ~0.6 ms of a 4 ms step).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from budget_sweep import PROMPTS  # the sweep's prompts: the same load
+
+import ddtree_serve.engine.spec_engine as spec_engine_module
+import ddtree_serve.engine.tree_builder as tree_builder_module
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.models import load_tokenizer
+
+ENGINE_STAGES = ("_prefill", "_serial_draft", "_build", "_verify", "_append", "_postprocess")
+POLICY_CALLS = ("plan", "choose", "learn", "observe")
+
+
+class StageClock:
+    """Wall seconds spent in named callables, summed since the last `reset`."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+    def wrap(self, owner: Any, attribute: str, label: str) -> None:
+        """Replace `owner.attribute` (an instance's method, or a module's function) by a timed one."""
+        inner: Callable[..., Any] = getattr(owner, attribute)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - started
+
+        setattr(owner, attribute, timed)
+
+
+def build_engines(args: argparse.Namespace, clock: StageClock) -> dict[str, SpecEngine]:
+    """The adaptive engine and one fixed-budget engine per `--budgets` entry, sharing the models."""
+    budgets = [int(b) for b in args.budgets.split(",")]
+    base = EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        budget=max(budgets),
+        max_num_seqs=max(args.concurrency),
+        max_seq_len=args.max_seq_len,
+        max_num_batched_tokens=1 << 20,
+    )
+    target, drafter = build_target_step(base), build_draft_step(base)
+    tokenizer = load_tokenizer(target_dir(base))
+    adaptive = base.model_copy(update={"budget_policy": "adaptive"}).to_settings()
+    engines = {"adaptive": SpecEngine(adaptive, target, drafter, tokenizer)}
+    for budget in budgets:
+        settings = base.model_copy(update={"budget": budget}).to_settings()
+        engines[f"ddtree-{budget}"] = SpecEngine(settings, target, drafter, tokenizer)
+    for engine in engines.values():
+        for stage in ENGINE_STAGES:
+            clock.wrap(engine, stage, stage)
+        if engine.budget_policy is not None:
+            for call in POLICY_CALLS:
+                clock.wrap(engine.budget_policy, call, f"policy.{call}")
+    clock.wrap(target, "verify_and_commit", "target.verify_and_commit")
+    clock.wrap(drafter, "draft", "drafter.draft")
+    for module in (spec_engine_module, tree_builder_module):  # the adaptive draft's, the build's
+        clock.wrap(module, "topk_on_host", "topk_on_host")
+    return engines
+
+
+def run_requests(
+    engine: SpecEngine,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    tag: str,
+    by_ceiling: dict[int, list[float]] | None = None,
+) -> int:
+    """One run of `concurrency` requests to completion; its step count. `by_ceiling`: each step's
+    milliseconds under the ceiling its policy chose (0: a plain step)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        started = time.perf_counter()
+        engine.step()
+        steps += 1
+        policy = engine.budget_policy
+        if by_ceiling is not None and policy is not None and policy.last_step is not None:
+            ceiling = policy.last_step.ceiling if policy.last_step.drafted else 0
+            by_ceiling[ceiling].append(1000.0 * (time.perf_counter() - started))
+    return steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    clock = StageClock()
+    engines = build_engines(args, clock)
+    tokenizer = load_tokenizer(target_dir(EngineConfig()))
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    for concurrency in args.concurrency:
+        print(f"\n### concurrency {concurrency}, {args.max_tokens} new tokens (ms per step)\n")
+        rows, labels = [], [*ENGINE_STAGES, "topk_on_host", "drafter.draft", "target.verify_and_commit"]
+        labels += [f"policy.{call}" for call in POLICY_CALLS]
+        ceilings: dict[int, list[float]] = defaultdict(list)
+        for name, engine in engines.items():
+            for run in range(args.warmup_runs):
+                run_requests(engine, prompts, concurrency, args.max_tokens, f"w{concurrency}-{run}")
+            clock.reset()
+            by_ceiling = ceilings if engine.budget_policy is not None else None
+            started = time.perf_counter()
+            steps = sum(
+                run_requests(
+                    engine, prompts, concurrency, args.max_tokens, f"t{concurrency}-{run}", by_ceiling
+                )
+                for run in range(args.runs)
+            )
+            elapsed = time.perf_counter() - started
+            tokens_per_s = concurrency * args.max_tokens * args.runs / elapsed
+            cells = [f"{1000.0 * clock.seconds.get(label, 0.0) / steps:.2f}" for label in labels]
+            rows.append(
+                f"| {name} | {tokens_per_s:.0f} | {1000.0 * elapsed / steps:.2f} | "
+                + " | ".join(cells)
+                + " |"
+            )
+        print("| engine | tok/s | step | " + " | ".join(labels) + " |")
+        print("|---" * (len(labels) + 3) + "|")
+        print("\n".join(rows))
+        print(
+            "\nadaptive steps by ceiling (median ms): "
+            + ", ".join(
+                f"{ceiling}: {statistics.median(times):.2f} ({len(times)} steps)"
+                for ceiling, times in sorted(ceilings.items())
+            )
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--budgets", default="8,16,32", help="fixed DDTree budgets; the largest is the ceiling"
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--warmup-runs", type=int, default=2, help="untimed runs per engine and concurrency")
+    parser.add_argument("--runs", type=int, default=4, help="timed runs per engine and concurrency")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
