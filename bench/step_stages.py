@@ -64,8 +64,11 @@ class StageClock:
         setattr(owner, attribute, timed)
 
 
-def build_engines(args: argparse.Namespace, clock: StageClock) -> dict[str, SpecEngine]:
-    """The adaptive engine and one fixed-budget engine per `--budgets` entry, sharing the models."""
+def build_engines(
+    args: argparse.Namespace, clock: StageClock
+) -> tuple[dict[str, SpecEngine], list[list[int]]]:
+    """The adaptive engine and one fixed-budget engine per `--budgets` entry, sharing the models,
+    and the prompts in their tokenizer's ids."""
     budgets = [int(b) for b in args.budgets.split(",")]
     base = EngineConfig(
         device=args.device,
@@ -92,7 +95,7 @@ def build_engines(args: argparse.Namespace, clock: StageClock) -> dict[str, Spec
     clock.wrap(drafter, "draft", "drafter.draft")
     for module in (spec_engine_module, tree_builder_module):  # the adaptive draft's, the build's
         clock.wrap(module, "topk_on_host", "topk_on_host")
-    return engines
+    return engines, [tokenizer.encode(p).ids for p in PROMPTS]
 
 
 def run_requests(
@@ -123,9 +126,7 @@ def run_requests(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     clock = StageClock()
-    engines = build_engines(args, clock)
-    tokenizer = load_tokenizer(target_dir(EngineConfig()))
-    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    engines, prompts = build_engines(args, clock)
     for concurrency in args.concurrency:
         print(f"\n### concurrency {concurrency}, {args.max_tokens} new tokens (ms per step)\n")
         rows, labels = [], [*ENGINE_STAGES, "topk_on_host", "drafter.draft", "target.verify_and_commit"]

@@ -24,6 +24,7 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import PROBE_REQUESTS, SpecEngine
 from ddtree_serve.models import bundled_target_dir, load_tokenizer
 from tests.engine.conftest import REFERENCE_TOKENS, bundled_pair_present
+from tests.engine.fakes import RecordingTarget
 from tests.engine.test_positions import CheckingDrafter, check_after_step
 from tests.engine.test_sampling import NUM_TOKENS, chi_square, chi_square_pvalue, exact_prefix_distribution
 
@@ -306,19 +307,15 @@ def test_no_request_verifies_draft_tokens_it_cannot_keep(
     assert wide_and_shallow > 0  # a tree kept more nodes than its request could keep tokens
 
 
-class _DeviceLikeTarget:
+class _DeviceLikeTarget(RecordingTarget):
     """A target that, like a CUDA one, runs `while_verifying` inside its verify call; it records
     what the hook was and whether the policy still had a lesson to learn before and after it."""
 
     def __init__(self, inner, policy_of) -> None:
-        self.inner, self.policy_of = inner, policy_of
-        self.vocab_size, self.eos_token_ids = inner.vocab_size, inner.eos_token_ids
-        self.max_seq_len, self.verify_token_buckets = inner.max_seq_len, inner.verify_token_buckets
+        super().__init__(inner)
+        self.policy_of = policy_of
         self.while_verifying = None
         self.windows: list[tuple[object, bool, bool]] = []  # (hook, lesson before, lesson after)
-
-    def prefill(self, inputs):
-        return self.inner.prefill(inputs)
 
     def verify_and_commit(self, inputs):
         hook, policy = self.while_verifying, self.policy_of()
@@ -326,10 +323,7 @@ class _DeviceLikeTarget:
         if hook is not None:
             hook()
         self.windows.append((hook, before, policy._lesson is not None))
-        return self.inner.verify_and_commit(inputs)
-
-    def release(self, slot: int) -> None:
-        self.inner.release(slot)
+        return super().verify_and_commit(inputs)
 
 
 def test_the_last_steps_lesson_is_learned_while_the_device_verifies(
