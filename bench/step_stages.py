@@ -7,8 +7,10 @@ with the wall clock as the engine calls it (no syncs added, so a stage that read
 back holds the wait for the kernels before it): the engine's own stages, the adaptive policy's
 calls (`plan`, `choose`, `learn`, `observe`) and the draft's copy to the host (`topk_on_host`,
 inside the draft stage under the adaptive policy, inside the build otherwise). For the adaptive
-engine the steps are also split by the ceiling its policy chose. Milliseconds per step; a stage's
-figure includes the stages it calls (`_verify` holds `target.verify_and_commit`).
+engine the steps are also grouped by kind (prefill, plain, probes, decided anew, calibrator
+refit, streak; the fixed engines' by prefill or not) and its slowest steps listed by stage.
+Milliseconds per step; a stage's figure includes the stages it calls (`_verify` holds
+`target.verify_and_commit`).
 
     python bench/step_stages.py --device cuda --dtype bfloat16 --concurrency 1 4 16 64
 
@@ -104,23 +106,72 @@ def run_requests(
     concurrency: int,
     max_tokens: int,
     tag: str,
-    by_ceiling: dict[int, list[float]] | None = None,
+    clock: StageClock,
+    records: list[dict[str, Any]] | None = None,
 ) -> int:
-    """One run of `concurrency` requests to completion; its step count. `by_ceiling`: each step's
-    milliseconds under the ceiling its policy chose (0: a plain step)."""
+    """One run of `concurrency` requests to completion; its step count. `records`: one entry per
+    step (its ms, kind and stage milliseconds; see `step_kind`)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(concurrency):
         engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
     steps = 0
     while engine.has_unfinished_requests():
+        before = dict(clock.seconds) if records is not None else {}
+        calibrations = _calibrations(engine)
         started = time.perf_counter()
         engine.step()
+        ms = 1000.0 * (time.perf_counter() - started)
         steps += 1
-        policy = engine.budget_policy
-        if by_ceiling is not None and policy is not None and policy.last_step is not None:
-            ceiling = policy.last_step.ceiling if policy.last_step.drafted else 0
-            by_ceiling[ceiling].append(1000.0 * (time.perf_counter() - started))
+        if records is not None:
+            stages = {k: 1000.0 * (v - before.get(k, 0.0)) for k, v in clock.seconds.items()}
+            records.append({"ms": ms, "kind": step_kind(engine, stages, calibrations), "stages": stages})
     return steps
+
+
+def _calibrations(engine: SpecEngine) -> int:
+    policy = engine.budget_policy
+    return -1 if policy is None else policy._num_calibrations
+
+
+def step_kind(engine: SpecEngine, stages: dict[str, float], calibrations_before: int) -> str:
+    """What a step was, for grouping: "prefill" when it cached prompts; for the adaptive engine
+    "plain", "probe" (after plain steps), "neighbour" (a probe of the choice's neighbours),
+    "decided" (the gate decided anew), "refresh" (the calibrator refit), or "streak"; a fixed
+    engine's other steps are "drafted"."""
+    if stages.get("_prefill", 0.0) > 0.0:
+        return "prefill"
+    policy = engine.budget_policy
+    if policy is None:
+        return "drafted"
+    step, gate = policy.last_step, policy.gate
+    if step is None or not step.drafted:
+        return "plain"
+    if gate.probing:
+        return "probe"
+    if gate.probing_neighbour:
+        return "neighbour"
+    if policy._num_calibrations != calibrations_before:
+        return "refresh"
+    return "decided" if gate._streak_age == 0 else "streak"
+
+
+def summarize(name: str, records: list[dict[str, Any]], slowest: int) -> list[str]:
+    """Mean ms and count per step kind, then the `slowest` steps with their largest stages."""
+    kinds: dict[str, list[float]] = defaultdict(list)
+    for record in records:
+        kinds[record["kind"]].append(record["ms"])
+    lines = [
+        f"{name} steps by kind (mean / median ms, count): "
+        + ", ".join(
+            f"{kind}: {statistics.fmean(ms):.2f} / {statistics.median(ms):.2f} ({len(ms)})"
+            for kind, ms in sorted(kinds.items())
+        )
+    ]
+    for record in sorted(records, key=lambda r: -r["ms"])[:slowest]:
+        top = sorted(record["stages"].items(), key=lambda item: -item[1])[:6]
+        parts = ", ".join(f"{label} {ms:.2f}" for label, ms in top)
+        lines.append(f"  {record['ms']:.2f} ms {record['kind']}: {parts}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,16 +182,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n### concurrency {concurrency}, {args.max_tokens} new tokens (ms per step)\n")
         rows, labels = [], [*ENGINE_STAGES, "topk_on_host", "drafter.draft", "target.verify_and_commit"]
         labels += [f"policy.{call}" for call in POLICY_CALLS]
-        ceilings: dict[int, list[float]] = defaultdict(list)
+        summaries: list[str] = []
         for name, engine in engines.items():
             for run in range(args.warmup_runs):
-                run_requests(engine, prompts, concurrency, args.max_tokens, f"w{concurrency}-{run}")
+                run_requests(engine, prompts, concurrency, args.max_tokens, f"w{concurrency}-{run}", clock)
             clock.reset()
-            by_ceiling = ceilings if engine.budget_policy is not None else None
+            records: list[dict[str, Any]] = []
             started = time.perf_counter()
             steps = sum(
                 run_requests(
-                    engine, prompts, concurrency, args.max_tokens, f"t{concurrency}-{run}", by_ceiling
+                    engine, prompts, concurrency, args.max_tokens, f"t{concurrency}-{run}", clock, records
                 )
                 for run in range(args.runs)
             )
@@ -152,16 +203,12 @@ def main(argv: list[str] | None = None) -> None:
                 + " | ".join(cells)
                 + " |"
             )
+            slowest = args.slowest if engine.budget_policy is not None else 0
+            summaries += summarize(name, records, slowest)
         print("| engine | tok/s | step | " + " | ".join(labels) + " |")
         print("|---" * (len(labels) + 3) + "|")
         print("\n".join(rows))
-        print(
-            "\nadaptive steps by ceiling (median ms): "
-            + ", ".join(
-                f"{ceiling}: {statistics.median(times):.2f} ({len(times)} steps)"
-                for ceiling, times in sorted(ceilings.items())
-            )
-        )
+        print("\n" + "\n".join(summaries))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -178,6 +225,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--warmup-runs", type=int, default=2, help="untimed runs per engine and concurrency")
     parser.add_argument("--runs", type=int, default=4, help="timed runs per engine and concurrency")
+    parser.add_argument(
+        "--slowest", type=int, default=8, help="the adaptive engine's slowest steps to list, by stage"
+    )
     return parser.parse_args(argv)
 
 
