@@ -136,8 +136,9 @@ def _calibrations(engine: SpecEngine) -> int:
 def step_kind(engine: SpecEngine, stages: dict[str, float], calibrations_before: int) -> str:
     """What a step was, for grouping: "prefill" when it cached prompts; for the adaptive engine
     "plain", "probe" (after plain steps), "neighbour" (a probe of the choice's neighbours),
-    "decided" (the gate decided anew), "refresh" (the calibrator refit), or "streak"; a fixed
-    engine's other steps are "drafted"."""
+    "decided" (the gate decided anew), "refresh" (the calibrator refit), "settled" (a streak's
+    step that kept its trees whole unweighed) or "streak", each drafted kind with its ceiling
+    ("streak@16"); a fixed engine's other steps are "drafted"."""
     if stages.get("_prefill", 0.0) > 0.0:
         return "prefill"
     policy = engine.budget_policy
@@ -147,12 +148,16 @@ def step_kind(engine: SpecEngine, stages: dict[str, float], calibrations_before:
     if step is None or not step.drafted:
         return "plain"
     if gate.probing:
-        return "probe"
-    if gate.probing_neighbour:
-        return "neighbour"
-    if policy._num_calibrations != calibrations_before:
-        return "refresh"
-    return "decided" if gate._streak_age == 0 else "streak"
+        kind = "probe"
+    elif gate.probing_neighbour:
+        kind = "neighbour"
+    elif policy._num_calibrations != calibrations_before:
+        kind = "refresh"
+    elif policy.settled:
+        kind = "settled"
+    else:
+        kind = "decided" if gate._streak_age == 0 else "streak"
+    return f"{kind}@{step.ceiling}"
 
 
 def summarize(name: str, records: list[dict[str, Any]], slowest: int) -> list[str]:

@@ -452,3 +452,87 @@ def test_a_probe_of_the_neighbouring_ceilings_always_teaches_the_gates_curve():
     assert taught[True] and all(moved for moved, _ in taught[True])
     # The others teach exactly on their turn, one drafted step in `NODE_LESSON_INTERVAL`.
     assert len(taught[False]) > NODE_LESSON_INTERVAL and all(moved == turn for moved, turn in taught[False])
+
+
+def run_streak(policy: AdaptiveBudget, monkeypatch, steps: int, cost_per_node: float) -> list[dict]:
+    """`steps` drafted steps of one request at cap 8, each a new draft; per step whether it was
+    settled, weighed widths (`allocate_padded_rows` called), its choice and built nodes, and the
+    calibrated acceptance of its built nodes as `choose` saw it."""
+    import ddtree_serve.engine.budget.policy as policy_module
+
+    weighed = []
+    weigh = policy_module.allocate_padded_rows
+
+    def counting(*args, **kwargs):
+        weighed.append(True)
+        return weigh(*args, **kwargs)
+
+    monkeypatch.setattr(policy_module, "allocate_padded_rows", counting)
+    records = []
+    for step in range(steps):
+        tree = TreeBatch.from_trees([build_ddtree(*random_draft(step, depth=6, k=8), 8, root_token=7)])
+        node_turn = (policy._num_drafted_steps + 1) % NODE_LESSON_INTERVAL == 0
+        ceiling = policy.plan([8])
+        settled = policy.settled
+        if ceiling == 0:  # a plain step
+            policy.record_verify_ms(4.0)
+            policy.observe(tree.prefix([0]), [[]])
+            policy.record_step_ms(5.0)
+            records.append({"settled": settled, "ceiling": 0, "weighed": False, "nodes": 0, "built": 0})
+            continue
+        policy.record_draft_ms(1.0)
+        built = tree.prefix([ceiling])
+        calibrated = policy.calibrator.calibrate(np.exp(built.logws[0, 1 : int(built.num_nodes[0])]))
+        weighed.clear()
+        allocation = policy.choose(built, [8])
+        policy.record_verify_ms(4.0 + cost_per_node * (allocation.num_nodes[0] + 1))
+        policy.observe(built.prefix(allocation.num_nodes), [[1]])
+        policy.record_step_ms(5.0 + cost_per_node * (allocation.num_nodes[0] + 1))
+        records.append(
+            {
+                "settled": settled,
+                "ceiling": ceiling,
+                "held": policy.gate.held,
+                "node_turn": node_turn,
+                "weighed": bool(weighed),
+                "nodes": allocation.num_nodes[0],
+                "built": int(built.num_nodes[0]) - 1,
+                "expected": allocation.expected_accepted[0],
+                "calibrated_sum": float(calibrated.sum()),
+            }
+        )
+    return records
+
+
+def test_a_settled_streak_keeps_its_trees_whole_without_weighing_widths(monkeypatch):
+    """Nodes cost nothing, so every weighing keeps whole trees: a streak's later steps keep them
+    whole unweighed, with the same forecast, except those that teach their nodes (and probes,
+    and decisions, which are not held streaks)."""
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0)
+    records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 40, cost_per_node=0.0)
+    settled = [r for r in records if r["settled"]]
+    assert len(settled) > 10
+    for record in settled:
+        assert record["held"] and not record["node_turn"] and not record["weighed"]
+        assert record["nodes"] == record["built"]
+        assert record["expected"] == pytest.approx(record["calibrated_sum"])
+    assert all(r["weighed"] for r in records if not r["settled"])
+    assert not any(r["settled"] for r in records[:EARLY_CALIBRATIONS])
+
+
+def test_only_a_weighing_that_kept_whole_trees_settles_its_streak(monkeypatch):
+    """Nodes cost so much that most weighings keep only the likeliest few: a step is settled
+    only when the last weighing, at its ceiling, kept every built node."""
+    policy = AdaptiveBudget(linear_curve(4.0, 3.0, draft_ms=1.0), learning_steps=0)
+    records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 60, cost_per_node=3.0)
+    cut = [r for r in records if r["weighed"] and r["nodes"] < r["built"]]
+    assert len(cut) > 10 and any(r["settled"] for r in records)
+    last_weighing = None
+    for record in records:
+        if record["ceiling"] == 0:
+            continue
+        if record["settled"]:
+            assert last_weighing is not None and last_weighing["nodes"] == last_weighing["built"]
+            assert last_weighing["ceiling"] == record["ceiling"]
+        else:
+            last_weighing = record

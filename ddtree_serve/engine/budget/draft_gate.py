@@ -88,6 +88,8 @@ class DraftGate:
         # The last ceiling is a probe of a neighbour of the drafting choice (wider or narrower):
         # its trees are what keeps the curve past the chosen width current.
         self.probing_neighbour = False
+        # The last ceiling kept the drafting streak under way (decided at an earlier step).
+        self.held = False
         # (batch bucket, cap) of the streak under way (None: decide the next step), its choice,
         # its steps since decided, and the predicted ms of its step (read by a drafting streak; a
         # plain one prices its step anew each time): see `ceiling`.
@@ -125,6 +127,7 @@ class DraftGate:
         `calibrate`: the acceptance of drafter probabilities (None: the curve is acceptance)."""
         overhead = overhead or StepOverhead()
         self._decided = None
+        self.held = False
         cap = max(caps)
         if cap <= 0:
             return 0
@@ -150,6 +153,7 @@ class DraftGate:
                 # A drafting streak's prediction was made for the batch and cap it was decided
                 # at: a smaller batch, or trees cut by a smaller cap, would teach a biased ratio.
                 self._decided = (batch_size, choice, self._streak_ms)
+                self.held = True
             return choice
         if self.curve is None:
             best = drafted = self._first_ceiling(caps, cost, build, overhead)

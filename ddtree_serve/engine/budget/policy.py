@@ -5,7 +5,8 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
                                   step (root-only trees); the drafter's top-K and the build use it
     record_draft_ms(ms, catching_up)  after the drafter call, when there was one
     choose(trees, caps, captured) trees built at the ceiling, and the verify graphs the step may
-                                  run (`graph_shapes.py`) -> draft nodes per request
+                                  run (`graph_shapes.py`) -> draft nodes per request (a
+                                  `settled` step's: every built node, widths unweighed)
     record_build_ms(ms)           after the build stage (trees, choice, verify buffers)
     record_verify_ms(ms)          after the verify call
     observe(trees, accepted, n)   the verified trees (padded to n nodes) and their accepted nodes: the step's
@@ -132,6 +133,10 @@ class AdaptiveBudget:
         self._num_calibrations = 0
         self._learning = True  # this step drafts to teach the calibrator (`LEARNING_STEPS`)
         self._num_drafted_steps = 0  # observed, for `NODE_LESSON_INTERVAL`
+        # The ceiling whose last allocating choice kept every built node (0: none): the steps
+        # of a streak at it are `settled`.
+        self._whole_at = 0
+        self.settled = False  # this step keeps its trees whole without weighing widths
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
@@ -155,6 +160,16 @@ class AdaptiveBudget:
             self.overhead,
             learning=self._learning,
             calibrate=self.calibrator.calibrate,
+        )
+        # A streak's step whose last weighing of widths kept whole trees at this ceiling keeps
+        # them whole again, unweighed (`choose`), except a step that teaches its nodes: on the
+        # H200 the weighing was a quarter of the adaptive step's extra host time at batch 1,
+        # where it kept 31 of 32 nodes.
+        self.settled = (
+            self.gate.held
+            and self._ceiling == self._whole_at
+            and self._num_calibrations >= EARLY_CALIBRATIONS
+            and (self._num_drafted_steps + 1) % NODE_LESSON_INTERVAL != 0
         )
         return self._ceiling
 
@@ -225,6 +240,9 @@ class AdaptiveBudget:
             if captured is not None:  # the widest tree a captured graph holds
                 caps_np = np.minimum(caps_np, captured[-1] - 1)
             uncut = caps_np.min() >= lengths.max(initial=0)
+            if uncut and self.settled:
+                self._allocation = self._whole_trees(calibrated, lengths, draft_ms)
+                return self._allocation
             usable = lengths if uncut else np.minimum(lengths, caps_np)
             self._allocation = allocate_padded_rows(
                 calibrated,
@@ -235,10 +253,22 @@ class AdaptiveBudget:
                 ordered=uncut,  # the calibrated map is monotone: each row keeps its tree's order
                 whole=self._learning,  # verified whole: the calibrator learns every built node
             )
+            kept_whole = uncut and np.array_equal(self._allocation.num_nodes, lengths)
+            self._whole_at = self._ceiling if kept_whole else 0
         else:
             accept_probs = [row[:length] for row, length in zip(calibrated, lengths.tolist(), strict=True)]
             self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
         return self._allocation
+
+    def _whole_trees(self, calibrated: np.ndarray, lengths: np.ndarray, draft_ms: float) -> Allocation:
+        """A settled step's choice: every built node (`calibrated` is zero past each row's)."""
+        batch_size = len(lengths)
+        width = int(lengths.max(initial=0))
+        return Allocation(
+            num_nodes=tuple(lengths.tolist()),
+            expected_accepted=tuple(calibrated.sum(axis=1).tolist()),
+            step_ms=draft_ms + float(self.cost.verify_ms(batch_size, batch_size * (width + 1))),
+        )
 
     def observe(
         self, trees: TreeBatch, accepted_nodes: Sequence[Sequence[int]], padded_num_nodes: int | None = None
