@@ -29,6 +29,11 @@ class DraftStep:
     def block_size(self) -> int:
         return int(self.drafter.block_size)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the drafter runs (a worker on the target's GPU takes features by handle)."""
+        return self.drafter.device
+
     def draft(self, inputs: DraftInput) -> DraftOutput:
         slots = list(inputs.slots)
         new_context = [_joined(slices) for slices in inputs.contexts]  # each [n_b, F]

@@ -269,7 +269,7 @@ class StepGraph:
         execution.draft_error = DrafterUnavailableError(f"the drafter left the step graph ({error!r})")
         execution.chained_error = execution.draft_error
         if execution.target is not None:
-            self._run_plain_target(execution, replay=True)
+            self._run_plain_target(execution)
 
     def _run_plain(self, execution: _Execution) -> None:
         """While the drafter is lost: the target's call as a plain actor call, no draft."""
@@ -279,15 +279,16 @@ class StepGraph:
         if execution.chained is not None:
             execution.chained_error = lost
         if execution.target is not None:
-            self._run_plain_target(execution, replay=False)
+            self._run_plain_target(execution)
 
-    def _run_plain_target(self, execution: _Execution, replay: bool) -> None:
+    def _run_plain_target(self, execution: _Execution) -> None:
+        """The target's call as a plain actor call: its result kept from the broken execution,
+        or run now (without features: no drafter takes them)."""
         assert execution.target is not None
-        actor = self._target.actor
-        ref = (actor.replay_graph_call if replay else actor.graph_call).remote(execution.target)
+        ref = self._target.actor.replay_graph_call.remote(execution.target)
         self._run_while_waiting()
         try:
-            execution.target_result = from_wire(ray.get(ref if replay else ref[0]))
+            execution.target_result = from_wire(ray.get(ref))
         except (RayActorError, TargetRestartedError) as error:
             execution.target_error = target_lost(error)
 

@@ -90,6 +90,14 @@ class PlacementConfig(_Strict):
         "Graph over both actors: shared-memory channels, features target -> drafter inside the "
         "graph, releases batched into the next call). Needs a drafter (not mode 'ar').",
     )
+    features: Literal["auto", "host"] = Field(
+        default="auto",
+        description="How the target's context features reach the drafter actor: 'auto' leaves them on "
+        "the GPU behind a CUDA IPC handle when both models lie on the same physical GPU (fractional "
+        "num_gpus; a lone target, not a tensor-parallel group) and goes through host memory "
+        "otherwise; 'host' always goes through host memory. Across GPUs there is no device path "
+        "(no NCCL channel).",
+    )
     overlap: bool = Field(
         default=False,
         description="Two micro-batches of the running requests in flight: the drafter drafts one "

@@ -5,7 +5,9 @@ itself (Serve's rule), then the drafter, then the target group (one bundle, or o
 tensor-parallel rank: `target_group.py`); mode "ar" has no drafter and therefore no drafter
 bundle, so the target moves up to bundle 1. The workers are Ray actors in those bundles, or
 in-process models inside the replica (placement.workers = "in_process");
-`placement.transport` picks how the Coordinator reaches the actors (`compiled_graph.py`).
+`placement.transport` picks how the Coordinator reaches the actors (`compiled_graph.py`), and
+`placement.features` whether context features may stay on a GPU that both actors share
+(`device_features.py`; decided once both workers said where their models lie).
 
 When a worker dies: Ray restarts the drafter in its bundle (the engine decodes plainly until it
 is back, then rebuilds its context). Ray restarts a lone target actor too
@@ -24,6 +26,7 @@ from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory
 from ddtree_serve.engine.interfaces import Drafter, Target
 from ddtree_serve.serve.compiled_graph import graph_workers
 from ddtree_serve.serve.config import ServeConfig, WorkerResources
+from ddtree_serve.serve.device_features import same_gpu
 from ddtree_serve.serve.target_group import start_target_group
 from ddtree_serve.serve.workers import (
     DrafterFactory,
@@ -114,9 +117,20 @@ def _start_actors(
     if drafter_actor is None:
         return target, None
     drafter = RayDrafter(drafter_actor)
+    _deliver_features(config, target, drafter)
     if placement.transport == "compiled_graph":
         return graph_workers(target, drafter, placement.overlap)
     return target, drafter
+
+
+def _deliver_features(config: ServeConfig, target: RayTarget, drafter: RayDrafter) -> None:
+    """Features by CUDA IPC handle when both models lie on one GPU and the config allows it."""
+    if config.placement.features == "host" or not same_gpu(target.device_uuid, drafter.device_uuid):
+        return
+    # Under the compiled graph the drafter opens each delivery in its execution; under actor
+    # calls the target's adapter has it take each call's handle.
+    graph = config.placement.transport == "compiled_graph"
+    target.deliver_features_on_device(None if graph else drafter)
 
 
 def restarts_target_in_place(config: ServeConfig) -> bool:
@@ -145,6 +159,7 @@ def reconnect_workers(
         return target, None
     drafter = RayDrafter(drafter_actor)
     drafter.release_all(config.engine.max_num_seqs)
+    _deliver_features(config, target, drafter)
     if config.placement.transport == "compiled_graph":
         return graph_workers(target, drafter, config.placement.overlap)
     return target, drafter

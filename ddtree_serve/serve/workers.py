@@ -17,6 +17,9 @@ features, taps x hidden x accepted tokens, go through the object store target ->
 Values cross every actor boundary as `wire.py` packs them: one byte buffer of all their tensors
 plus their structure pickled by the standard library (several times cheaper in Ray than torch
 tensors, and cheaper than one numpy array per tensor).
+When both workers' models lie on one GPU, the group has the target leave features there behind
+a CUDA IPC handle instead (`device_features.py`): the ObjectRef then carries the handle, and
+`RayTarget` has the drafter open it once the call's result is back (`DrafterWorker.take_features`).
 
 Faults: a dead or restarting worker makes Ray raise `RayActorError`; the adapters turn it into
 the seam's `DrafterUnavailableError` / `TargetUnavailableError`, so the engine's fallback and
@@ -55,8 +58,9 @@ from ddtree_serve.engine.interfaces import (
     VerifyOutput,
 )
 from ddtree_serve.serve.call_trace import CallStamps, CallTrace, mark
+from ddtree_serve.serve.device_features import DeviceFeatures, TakenFeatures, cuda_device_uuid, wire_features
 from ddtree_serve.serve.graph_calls import ContextDelivery, DrafterCall, TargetCall
-from ddtree_serve.serve.wire import from_wire, pack_features, to_wire
+from ddtree_serve.serve.wire import from_wire, to_wire
 
 TargetFactory = Callable[[], Target]
 DrafterFactory = Callable[[], Drafter]
@@ -90,6 +94,9 @@ class TargetWorker:
         # Compiled step graph only: (call id, wired output) of the last graph call.
         self._last_graph_call: tuple[int | None, Wired] = (None, None)
         self._trace = CallTrace()
+        # Context features stay on this GPU behind a handle (the drafter shares it), or go
+        # through host memory (the default; see `deliver_features_on_device`).
+        self._features_on_device = False
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -98,7 +105,15 @@ class TargetWorker:
             "max_seq_len": self._target.max_seq_len,
             "verify_token_buckets": self._target.verify_token_buckets,
             "serving": self._serving,
+            "device_uuid": _device_uuid(self._target),
+            "features_on_device": self._features_on_device,
         }
+
+    def deliver_features_on_device(self, enabled: bool) -> None:
+        """From now on, send context features as CUDA IPC handles (`device_features.py`): the
+        group found the drafter's model on this target's GPU. A handle must be opened once, and
+        at once (the target's block lives until then)."""
+        self._features_on_device = enabled
 
     def trace_calls(self, enabled: bool) -> None:
         """Stamp each step call's parts from now on (or stop); see `call_trace.py`."""
@@ -132,21 +147,23 @@ class TargetWorker:
         with self._trace.call("verify_and_commit") as stamps:
             return self._run_wired(self._target.verify_and_commit, inputs, stamps)
 
-    @staticmethod
-    def _run_wired(method: Any, inputs: Wired, stamps: CallStamps | None) -> tuple[Wired, Wired]:
+    def _run_wired(self, method: Any, inputs: Wired, stamps: CallStamps | None) -> tuple[Wired, Wired]:
         unwired = from_wire(inputs)
         mark(stamps, "unwire")
         output = method(unwired)
         mark(stamps, "model")
         wired = to_wire(dataclasses.replace(output, context=None))
-        context = None if output.context is None else to_wire(pack_features(output.context))
+        context = None if output.context is None else self._wire_features(output.context)
         mark(stamps, "wire")
         return wired, context
 
     def encode_context(self, inputs: Wired) -> Wired:
         """`inputs`: a wired `EncodeInput` -> the wired context (what a drafter's `draft` resolves)."""
         self._check_serving()
-        return to_wire(pack_features(self._target.encode_context(from_wire(inputs))))
+        return self._wire_features(self._target.encode_context(from_wire(inputs)))
+
+    def _wire_features(self, features: Any) -> Wired:
+        return wire_features(features, self._features_on_device)
 
     def release(self, slot: int) -> None:
         if self._serving:  # a restarted process holds nothing to release
@@ -162,6 +179,11 @@ class TargetWorker:
     def graph_call(self, call: TargetCall | None) -> tuple[Wired, ContextDelivery | None]:
         """One graph execution's target call -> (wired output without context, the features for
         the drafter). The last result is kept for `replay_graph_call`."""
+        return self._graph_call(call, deliver=True)
+
+    def _graph_call(self, call: TargetCall | None, deliver: bool) -> tuple[Wired, ContextDelivery | None]:
+        """`graph_call`; `deliver` False: no features (no drafter in the graph takes them, and a
+        device handle never opened would keep its block)."""
         if call is None:
             return None, None
         self._check_serving()
@@ -175,24 +197,31 @@ class TargetWorker:
                 output = getattr(self._target, call.method)(inputs)
                 mark(stamps, "model")
                 if call.method == "encode_context":
-                    result = None, _delivery(inputs.slots, output)
+                    result = None, self._delivery(inputs.slots, output) if deliver else None
                 else:
-                    wants_context = call.method == "prefill" or inputs.return_context
+                    wants_context = deliver and (call.method == "prefill" or inputs.return_context)
                     bonus = output.bonus_token.tolist() if call.method == "verify_and_commit" else None
-                    context = _delivery(inputs.slots, output.context, bonus) if wants_context else None
+                    context = self._delivery(inputs.slots, output.context, bonus) if wants_context else None
                     result = to_wire(dataclasses.replace(output, context=None)), context
                 mark(stamps, "wire")
             self._last_graph_call = (call.call_id, result[0])
             return result
 
     def replay_graph_call(self, call: TargetCall) -> Wired:
-        """The output of `call` after its graph broke (a lost drafter): kept if it ran, else run now.
+        """The output of `call` without the graph (its drafter is lost): kept if it ran (the
+        execution that broke), else run now, without features.
 
         Called with the graph torn down, so no graph call runs at the same time."""
         last_id, output = self._last_graph_call
         if last_id == call.call_id:
             return output
-        return self.graph_call(call)[0]
+        return self._graph_call(call, deliver=False)[0]
+
+    def _delivery(
+        self, slots: Any, context: ContextHandle, bonus_tokens: list[int] | None = None
+    ) -> ContextDelivery:
+        bonus = None if bonus_tokens is None else tuple(bonus_tokens)
+        return ContextDelivery(tuple(slots), self._wire_features(context), bonus)
 
 
 @ray.remote
@@ -203,10 +232,16 @@ class DrafterWorker:
         self._drafter = build_drafter()
         # Compiled step graph only: each slot's features delivered since its last draft.
         self._delivered: dict[int, list[Any]] = {}
+        # Actor calls with features on the device: the copies taken, until drafts use them.
+        self._taken = TakenFeatures()
         self._trace = CallTrace()
 
     def describe(self) -> dict[str, Any]:
-        return {"block_size": self._drafter.block_size}
+        return {
+            "block_size": self._drafter.block_size,
+            "device_uuid": _device_uuid(self._drafter),
+            "taken_deliveries": len(self._taken),  # device features kept for drafts to come
+        }
 
     def trace_calls(self, enabled: bool) -> None:
         """Stamp each step call's parts from now on (or stop); see `call_trace.py`."""
@@ -221,12 +256,29 @@ class DrafterWorker:
         `handles` are the target calls' context results, resolved by Ray from the ObjectRefs
         the coordinator passed (one per distinct producing call)."""
         with self._trace.call("draft") as stamps:
-            features = [from_wire(handle).unpack() for handle in handles]
+            features = [self._features_of(handle) for handle in handles]
             draft_input: DraftInput = from_wire(inputs)
             contexts = [
                 [ContextSlice(features[c.handle], c.index) for c in slices] for slices in draft_input.contexts
             ]
+            for slices in draft_input.contexts:
+                for c in slices:
+                    if isinstance(handles[c.handle], DeviceFeatures):
+                        self._taken.used(handles[c.handle].delivery_id, c.index)
             return self._draft_wired(dataclasses.replace(draft_input, contexts=contexts), stamps)
+
+    def take_features(self, features: Wired, slots: tuple[int, ...]) -> None:
+        """Actor calls: a target call's context, once its result is back (`RayTarget` sends it).
+
+        A device handle (`DeviceFeatures`) is opened now and its copies kept for the drafts that
+        name it (the target's block is free again); host features wait in Ray for the draft."""
+        if isinstance(features, DeviceFeatures):
+            self._taken.take(features.delivery_id, features.unpack(), slots)
+
+    def _features_of(self, handle: Wired) -> list[torch.Tensor]:
+        if isinstance(handle, DeviceFeatures):
+            return self._taken.features(handle.delivery_id)
+        return from_wire(handle).unpack()
 
     def _draft_wired(self, draft_input: DraftInput, stamps: CallStamps | None) -> Wired:
         mark(stamps, "unwire")
@@ -239,6 +291,7 @@ class DrafterWorker:
     def release(self, slot: int) -> None:
         self._drafter.release(slot)
         self._delivered.pop(slot, None)
+        self._taken.release(slot)
 
     # -------------------------------------------------------------- compiled step graph side
 
@@ -333,10 +386,14 @@ class RayTarget(DescribedTarget):
         """Waits for the worker, through a restart Ray is running; `RayActorError` once it is
         dead for good."""
         self._actor = actor
-        super().__init__(_describe_restarted(actor))
+        info = _describe_restarted(actor)
+        super().__init__(info)
+        self.device_uuid: str | None = info["device_uuid"]
         # `AsyncDeviceTarget`: the engine's host work while the worker verifies (the call is
         # milliseconds of round trip on top of the model, all of it idle time here).
         self.while_verifying: Callable[[], None] | None = None
+        # Features on the device under actor calls: the drafter that opens each call's handle.
+        self._feature_taker: RayDrafter | None = None
 
     @property
     def actor(self) -> Any:
@@ -347,9 +404,27 @@ class RayTarget(DescribedTarget):
         on they come from an engine that knows its slots are empty (the Coordinator's new one)."""
         ray.get(self._actor.start_serving.remote(num_slots))
 
+    def deliver_features_on_device(self, taker: "RayDrafter | None") -> None:
+        """From now on the worker sends context features as CUDA IPC handles (the group found
+        the drafter on its GPU). `taker`: under actor calls, the drafter that opens each call's
+        handle once the call returned (a context the engine drafts from late, or never, would
+        keep the target's block meanwhile); None: the compiled graph delivers them."""
+        ray.get(self._actor.deliver_features_on_device.remote(True))
+        self._feature_taker = taker
+
+    def _send_features(self, context_ref: Any, slots: Any) -> None:
+        """Under actor calls with features on the device: the drafter takes the call's handle.
+
+        Sent once the call's result is back (the encode's at once: the draft that follows waits
+        for it anyway), so the take never holds the drafter's queue behind a target call while
+        it could draft another micro-batch."""
+        if self._feature_taker is not None:
+            self._feature_taker.take_features(context_ref, slots)
+
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         output_ref, context_ref = self._actor.prefill.remote(to_wire(inputs))
         output: PrefillOutput = _PendingCall(output_ref, target_lost).result()
+        self._send_features(context_ref, inputs.slots)
         return dataclasses.replace(output, context=context_ref)
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
@@ -362,14 +437,20 @@ class RayTarget(DescribedTarget):
         """The verify call in flight: the drafter actor may run a draft meanwhile (overlap)."""
         output_ref, context_ref = self._actor.verify_and_commit.remote(to_wire(inputs))
         context = context_ref if inputs.return_context else None
-        return _PendingCall(
-            output_ref, target_lost, lambda output: dataclasses.replace(output, context=context)
-        )
+
+        def finish(output: VerifyOutput) -> VerifyOutput:
+            if context is not None:
+                self._send_features(context, inputs.slots)
+            return dataclasses.replace(output, context=context)
+
+        return _PendingCall(output_ref, target_lost, finish)
 
     def encode_context(self, inputs: EncodeInput) -> ContextHandle:
         # The features go target -> drafter: the ObjectRef is the handle (a failure shows in
         # the draft that resolves it, and in the next target call).
-        return self._actor.encode_context.remote(to_wire(inputs))
+        context_ref = self._actor.encode_context.remote(to_wire(inputs))
+        self._send_features(context_ref, inputs.slots)
+        return context_ref
 
     async def check_alive(self) -> None:
         """Raises `TargetUnavailableError` when the worker is gone, or restarted and waiting for
@@ -393,7 +474,9 @@ class RayDrafter:
 
     def __init__(self, actor: Any) -> None:
         self._actor = actor
-        self._block_size: int = _describe_restarted(actor)["block_size"]
+        info = _describe_restarted(actor)
+        self._block_size: int = info["block_size"]
+        self.device_uuid: str | None = info["device_uuid"]
         self._probe: Any = None  # after a loss: the pending `describe` call that says it is back
 
     @property
@@ -432,6 +515,11 @@ class RayDrafter:
         wired = to_wire(dataclasses.replace(inputs, contexts=pointers))
         handles = list(position)
         return _PendingCall(self._actor.draft.remote(wired, *handles), _drafter_lost)
+
+    def take_features(self, context_ref: Any, slots: Any) -> None:
+        """Fire and forget, like `release`: the worker runs it before any later draft of this
+        caller, so every draft that names the context finds it taken."""
+        self._actor.take_features.remote(context_ref, tuple(int(slot) for slot in slots))
 
     def release(self, slot: int) -> None:
         self._actor.release.remote(slot)
@@ -477,10 +565,10 @@ def _describe_restarted(actor: Any) -> dict[str, Any]:
             time.sleep(_RESTART_POLL_S)
 
 
-def _delivery(slots: Any, context: ContextHandle, bonus_tokens: list[int] | None = None) -> ContextDelivery:
-    return ContextDelivery(
-        tuple(slots), to_wire(pack_features(context)), None if bonus_tokens is None else tuple(bonus_tokens)
-    )
+def _device_uuid(model: Any) -> str | None:
+    """The GPU of a worker's model: `TargetStep` and `DraftStep` say where they run; a model that
+    does not (a test's fake) takes the host path."""
+    return cuda_device_uuid(getattr(model, "device", None))
 
 
 def _drafter_lost(error: Exception) -> DrafterUnavailableError:
