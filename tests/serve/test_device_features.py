@@ -179,13 +179,16 @@ def test_two_actors_on_one_gpu_pass_features_by_handle_with_bounded_memory(gpu_r
     producer, consumer = _Producer.remote(), _Consumer.remote()
     lengths, hidden = [16, 3, 0, 9], 7168 * 5 // 8  # a Kimi-like row width, scaled down
     allocated = []
-    for seed in range(200):
-        handle, expected, after_send = ray.get(producer.send.remote(lengths, hidden, seed))
-        assert isinstance(handle, DeviceFeatures)
-        received = ray.get(consumer.take.remote(handle))
-        assert [r.shape[0] for r in received] == lengths
-        assert np.array_equal(np.concatenate(received), expected)
-        allocated.append(after_send)
+    try:
+        for seed in range(200):
+            handle, expected, after_send = ray.get(producer.send.remote(lengths, hidden, seed))
+            assert isinstance(handle, DeviceFeatures)
+            received = ray.get(consumer.take.remote(handle))
+            assert [r.shape[0] for r in received] == lengths
+            assert np.array_equal(np.concatenate(received), expected)
+            allocated.append(after_send)
+    finally:
+        _kill(producer, consumer)  # their GPU shares go back to the module's cluster
     # Each block is freed at the next send (its counter reached 0): no growth after warm-up.
     assert max(allocated[20:]) <= max(allocated[:20])
 
@@ -196,12 +199,19 @@ def test_a_handle_never_opened_keeps_its_block(gpu_ray_cluster: None) -> None:
     """What a drafter that dies before opening a delivery leaves behind (why every handle is
     opened at once)."""
     producer = _Producer.remote()
-    before = ray.get(producer.allocated_after_collect.remote())
-    block_bytes = 256 * 4096 * 2
-    for seed in range(4):
-        ray.get(producer.send.remote([256], 4096, seed))  # sent, never opened
-    held = ray.get(producer.allocated_after_collect.remote()) - before
-    assert held >= 4 * block_bytes
+    try:
+        before = ray.get(producer.allocated_after_collect.remote())
+        for seed in range(4):
+            ray.get(producer.send.remote([256], 4096, seed))  # sent, never opened
+        held = ray.get(producer.allocated_after_collect.remote()) - before
+    finally:
+        _kill(producer)
+    assert held >= 4 * 256 * 4096 * 2  # four bf16 blocks of [256, 4096]
+
+
+def _kill(*actors: Any) -> None:
+    for actor in actors:
+        ray.kill(actor)
 
 
 GPU_ENGINE = EngineConfig(
@@ -248,5 +258,4 @@ def test_greedy_through_a_group_on_one_gpu_with_features_by_handle_equals_in_pro
     finally:
         if isinstance(target, GraphTarget):
             target.close()
-        for actor in (target.actor, drafter.actor):  # type: ignore[union-attr]
-            ray.kill(actor)
+        _kill(target.actor, drafter.actor)  # type: ignore[union-attr]
