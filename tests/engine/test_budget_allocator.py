@@ -233,6 +233,21 @@ def test_a_costly_build_narrows_the_ceiling_and_probes_look_both_ways():
     assert set(ceilings) == {narrow // 2, narrow, 2 * narrow}
 
 
+def test_a_wider_probe_is_made_only_at_a_bounded_price():
+    """Probes alternate wider and narrower while the wider step costs little more than the
+    choice's; where building twice the nodes costs more than `WIDER_PROBE_MAX_COST` steps at
+    the choice, the probes only go narrower."""
+    curve = linear_curve(fixed_ms=5.0, per_token_ms=0.0, draft_ms=0.5)
+    for per_node_ms, probes_wider in ((0.05, True), (2.0, False)):
+        gate = DraftGate(probe_interval=3)
+        record_curve(gate, CONFIDENT, CONFIDENT)
+        build = BuildCost(0.0, 0.0, per_node_ms=per_node_ms)
+        ceilings = [gate.ceiling([16, 16], curve, build, "padded") for _ in range(30)]
+        choice = Counter(ceilings).most_common(1)[0][0]
+        assert choice > 0 and any(c < choice for c in ceilings)  # narrower probes either way
+        assert any(c > choice for c in ceilings) == probes_wider
+
+
 def test_gate_follows_the_recent_curve():
     gate = DraftGate(curve_weight=0.5)
     record_curve(gate, np.array([0.8, 0.4]), np.array([0.6]))

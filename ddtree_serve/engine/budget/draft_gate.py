@@ -58,6 +58,13 @@ DRAFTED_RECHECK_STEPS = 8
 FIRST_PROBE_INTERVAL = 2
 """Drafted steps at a new batch bucket before the first probe of the choice's neighbours."""
 
+WIDER_PROBE_MAX_COST = 1.5
+"""A probe twice as wide as the choice is made only when its step is predicted (with its
+measured ratio) at most this many times the choice's; else the probe goes narrower. On the H200
+at c = 64 a wider probe of ceiling 32 built 64-node trees for 64 requests, 25 ms against a 10 ms
+step: each such probe cost one and a half steps, a few percent of the run's rate for a width
+that cannot win there (it would need 2.5x the tokens a step)."""
+
 
 class DraftGate:
     """The step's tree ceiling; `ceiling` is called once per step, `record_curve` with each
@@ -180,7 +187,7 @@ class DraftGate:
         interval = plain_interval if best == 0 else self.drafted_probe_interval
         probe_due = self.steps_since_probe >= interval
         if probe_due:
-            chosen = drafted if best == 0 else self._probe_ceiling(best, cap)
+            chosen = drafted if best == 0 else self._probe_ceiling(best, cap, batch_size, predicted_ms)
             if best > 0:
                 self.drafted_probe_interval = min(2 * self.drafted_probe_interval, self.probe_interval)
         self.probing = best == 0 and chosen > 0
@@ -218,15 +225,29 @@ class DraftGate:
         due = self.steps_since_probe >= self.drafted_probe_interval
         return not due and not any(moved) and self._streak_age < DRAFTED_RECHECK_STEPS
 
-    def _probe_ceiling(self, best: int, cap: int) -> int:
+    def _probe_ceiling(self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float]) -> int:
         """A drafting probe's ceiling: alternately twice the choice (the curve past it stays
-        known) and the candidate below it (its step-time ratio stays known), where they exist."""
+        known) and the candidate below it (its step-time ratio stays known), where they exist;
+        a wider one only at a price (`WIDER_PROBE_MAX_COST`). `predicted_ms`: the candidates'
+        predicted step milliseconds, before their measured ratios."""
         wider = min(cap, 2 * best)
         narrower = max((c for c in powers_of_two_upto(cap) if c < best), default=0)
         wider_turn, self._next_probe_wider = self._next_probe_wider, not self._next_probe_wider
-        if wider > best and (wider_turn or narrower == 0):
+        if (
+            wider > best
+            and (wider_turn or narrower == 0)
+            and self._affordable(wider, best, batch_size, predicted_ms)
+        ):
             return wider
         return narrower or best
+
+    def _affordable(self, wider: int, best: int, batch_size: int, predicted_ms: dict[int, float]) -> bool:
+        """Whether a probe at `wider` costs at most `WIDER_PROBE_MAX_COST` steps at `best`."""
+        if wider not in predicted_ms or best not in predicted_ms:
+            return True  # nothing priced yet (the first curve): the probe is how it is learned
+        wider_ms = predicted_ms[wider] * self.residual.ratio(batch_size, wider)
+        best_ms = predicted_ms[best] * self.residual.ratio(batch_size, best)
+        return wider_ms <= WIDER_PROBE_MAX_COST * best_ms
 
     def record_step_ms(self, step_ms: float) -> None:
         """The wall time of the step the last `ceiling` decided: teaches that ceiling's ratio
