@@ -513,6 +513,7 @@ def run_streak(policy: AdaptiveBudget, monkeypatch, steps: int, cost_per_node: f
                 "nodes": allocation.num_nodes[0],
                 "built": int(built.num_nodes[0]) - 1,
                 "expected": allocation.expected_accepted[0],
+                "calibrated": calibrated,
                 "calibrated_sum": float(calibrated.sum()),
             }
         )
@@ -535,19 +536,23 @@ def test_a_settled_streak_keeps_its_trees_whole_without_weighing_widths(monkeypa
     assert not any(r["settled"] for r in records[:EARLY_CALIBRATIONS])
 
 
-def test_only_a_weighing_that_kept_whole_trees_settles_its_streak(monkeypatch):
-    """Nodes cost so much that most weighings keep only the likeliest few: a step is settled
-    only when the last weighing, at its ceiling, kept every built node."""
+def test_a_settled_step_takes_its_ceilings_last_weighed_width(monkeypatch):
+    """Nodes cost so much that most weighings keep only the likeliest few: a settled step takes
+    the width the last weighing at its ceiling took (its count where it cut the tree, the whole
+    tree where it kept it), with the forecast of those nodes."""
     policy = AdaptiveBudget(linear_curve(4.0, 3.0, draft_ms=1.0), learning_steps=0)
     records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 60, cost_per_node=3.0)
-    cut = [r for r in records if r["weighed"] and r["nodes"] < r["built"]]
-    assert len(cut) > 10 and any(r["settled"] for r in records)
+    weighings = [r for r in records if r["weighed"]]
+    assert sum(r["nodes"] < r["built"] for r in weighings) > 10
+    settled = [r for r in records if r["settled"]]
+    assert len(settled) > 10 and any(r["nodes"] < r["built"] for r in settled)
     last_weighing = None
     for record in records:
-        if record["ceiling"] == 0:
-            continue
         if record["settled"]:
-            assert last_weighing is not None and last_weighing["nodes"] == last_weighing["built"]
-            assert last_weighing["ceiling"] == record["ceiling"]
-        else:
+            assert not record["weighed"] and last_weighing["ceiling"] == record["ceiling"]
+            cut = last_weighing["nodes"] < last_weighing["built"]
+            width = last_weighing["nodes"] if cut else record["ceiling"]
+            assert record["nodes"] == min(record["built"], width)
+            assert record["expected"] == pytest.approx(record["calibrated"][:width].sum())
+        elif record["weighed"]:
             last_weighing = record

@@ -6,7 +6,7 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
     record_draft_ms(ms, catching_up)  after the drafter call, when there was one
     choose(trees, caps, captured) trees built at the ceiling, and the verify graphs the step may
                                   run (`graph_shapes.py`) -> draft nodes per request (a
-                                  `settled` step's: every built node, widths unweighed)
+                                  `settled` step's: the last weighing's width, unweighed)
     record_build_ms(ms)           after the build stage (trees, choice, verify buffers)
     record_verify_ms(ms)          after the verify call
     observe(trees, accepted, n)   the verified trees (padded to n nodes) and their accepted nodes: the step's
@@ -133,10 +133,10 @@ class AdaptiveBudget:
         self._num_calibrations = 0
         self._learning = True  # this step drafts to teach the calibrator (`LEARNING_STEPS`)
         self._num_drafted_steps = 0  # observed, for `NODE_LESSON_INTERVAL`
-        # The ceiling whose last allocating choice kept every built node (0: none): the steps
-        # of a streak at it are `settled`.
-        self._whole_at = 0
-        self.settled = False  # this step keeps its trees whole without weighing widths
+        # (ceiling, width) of the last weighing of widths (None: none since the last
+        # decision): the steps of a streak at that ceiling are `settled` at that width.
+        self._weighed: tuple[int, int] | None = None
+        self.settled = False  # this step takes the last weighing's width without weighing
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
@@ -161,13 +161,14 @@ class AdaptiveBudget:
             learning=self._learning,
             calibrate=self.calibrator.calibrate,
         )
-        # A streak's step whose last weighing of widths kept whole trees at this ceiling keeps
-        # them whole again, unweighed (`choose`), except a step that teaches its nodes: on the
-        # H200 the weighing was a quarter of the adaptive step's extra host time at batch 1,
-        # where it kept 31 of 32 nodes.
+        # A streak's step takes the width its last weighing at this ceiling took, unweighed
+        # (`choose`), except a step that teaches its nodes (one in `NODE_LESSON_INTERVAL`, which
+        # weighs afresh): on the H200 the weighing was a quarter of the adaptive step's extra
+        # host time at batch 1, where it kept 31 of 32 nodes (the 32-token graph) step after step.
         self.settled = (
             self.gate.held
-            and self._ceiling == self._whole_at
+            and self._weighed is not None
+            and self._weighed[0] == self._ceiling
             and self._num_calibrations >= EARLY_CALIBRATIONS
             and (self._num_drafted_steps + 1) % NODE_LESSON_INTERVAL != 0
         )
@@ -240,8 +241,8 @@ class AdaptiveBudget:
             if captured is not None:  # the widest tree a captured graph holds
                 caps_np = np.minimum(caps_np, captured[-1] - 1)
             uncut = caps_np.min() >= lengths.max(initial=0)
-            if uncut and self.settled:
-                self._allocation = self._whole_trees(calibrated, lengths, draft_ms)
+            if uncut and self.settled and self._weighed is not None:
+                self._allocation = self._settled_choice(calibrated, lengths, self._weighed[1], draft_ms)
                 return self._allocation
             usable = lengths if uncut else np.minimum(lengths, caps_np)
             self._allocation = allocate_padded_rows(
@@ -253,21 +254,27 @@ class AdaptiveBudget:
                 ordered=uncut,  # the calibrated map is monotone: each row keeps its tree's order
                 whole=self._learning,  # verified whole: the calibrator learns every built node
             )
-            kept_whole = uncut and np.array_equal(self._allocation.num_nodes, lengths)
-            self._whole_at = self._ceiling if kept_whole else 0
+            # Every request takes min(width, its nodes): a cut row's count is the width.
+            kept_whole = np.array_equal(self._allocation.num_nodes, lengths)
+            width = self._ceiling if kept_whole else max(self._allocation.num_nodes)
+            self._weighed = (self._ceiling, width) if uncut else None
         else:
             accept_probs = [row[:length] for row, length in zip(calibrated, lengths.tolist(), strict=True)]
             self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
         return self._allocation
 
-    def _whole_trees(self, calibrated: np.ndarray, lengths: np.ndarray, draft_ms: float) -> Allocation:
-        """A settled step's choice: every built node (`calibrated` is zero past each row's)."""
+    def _settled_choice(
+        self, calibrated: np.ndarray, lengths: np.ndarray, width: int, draft_ms: float
+    ) -> Allocation:
+        """A settled step's choice: each request its first min(`width`, built) nodes
+        (`calibrated` is zero past each row's built ones)."""
         batch_size = len(lengths)
-        width = int(lengths.max(initial=0))
+        num_nodes = np.minimum(lengths, width)
+        widest = int(num_nodes.max(initial=0))
         return Allocation(
-            num_nodes=tuple(lengths.tolist()),
-            expected_accepted=tuple(calibrated.sum(axis=1).tolist()),
-            step_ms=draft_ms + float(self.cost.verify_ms(batch_size, batch_size * (width + 1))),
+            num_nodes=tuple(num_nodes.tolist()),
+            expected_accepted=tuple(calibrated[:, :width].sum(axis=1).tolist()),
+            step_ms=draft_ms + float(self.cost.verify_ms(batch_size, batch_size * (widest + 1))),
         )
 
     def observe(
