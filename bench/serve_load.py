@@ -252,10 +252,12 @@ def stop_application(ray_dir: str) -> None:
     shutil.rmtree(ray_dir, ignore_errors=True)
 
 
-def _app_name(transport: str, overlap: bool, chained: bool, interval_ms: float) -> str:
+def _app_name(transport: str, overlap: bool, chained: bool, interval_ms: float, features: str) -> str:
     name = f"{transport}-{'overlap' if overlap else 'serial'}"
     if chained and transport == "compiled_graph" and not overlap:
         name += "-chained"
+    if features != "auto":
+        name += f"-{features}"
     return f"{name}-{interval_ms:g}ms" if interval_ms else name
 
 
@@ -304,6 +306,13 @@ def main() -> None:
     ):
         parser.add_argument(flag, nargs="+", default=["off"], choices=["off", "on"], help=help_text)
     parser.add_argument(
+        "--features",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "host"],
+        help="placement.features values (auto: a CUDA IPC handle when both actors share a GPU).",
+    )
+    parser.add_argument(
         "--stream-batching-interval-ms",
         type=float,
         nargs="+",
@@ -326,18 +335,19 @@ def main() -> None:
     # On one GPU the group's drafter and target actors share it (half each); on CPU they reserve none.
     intervals = args.stream_batching_interval_ms
     combos = [
-        (t, o == "on", c == "on", i)
+        (t, o == "on", c == "on", i, f)
         for t in args.transport
         for o in args.overlap
         for c in args.chain_drafts
         for i in intervals
+        for f in args.features
         if c == "off" or (t == "compiled_graph" and o == "off")  # chaining changes nothing elsewhere
     ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": free_port()}, "grpc": {"port": free_port()}}
     configs = [
         ServeConfig(
-            app_name=_app_name(transport, overlap, chained, interval),
+            app_name=_app_name(transport, overlap, chained, interval, features),
             engine=engine_config,
             observability={"metrics": False},  # type: ignore[arg-type]
             placement={  # type: ignore[arg-type]
@@ -345,6 +355,7 @@ def main() -> None:
                 "transport": transport,
                 "overlap": overlap,
                 "chain_drafts": chained,
+                "features": features,
                 "coordinator": {"num_cpus": 0.1},
                 "drafter": {"num_cpus": 0.1, "num_gpus": gpu_share},
                 "target": {"num_cpus": 0.1, "num_gpus": gpu_share},
@@ -353,7 +364,7 @@ def main() -> None:
             stream_batching_interval_ms=interval,
             **ports,  # type: ignore[arg-type]
         )
-        for transport, overlap, chained, interval in combos
+        for transport, overlap, chained, interval, features in combos
     ]
     ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
     start_cluster(configs[0], ray_dir)
