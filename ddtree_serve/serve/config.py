@@ -90,13 +90,14 @@ class PlacementConfig(_Strict):
         "Graph over both actors: shared-memory channels, features target -> drafter inside the "
         "graph, releases batched into the next call). Needs a drafter (not mode 'ar').",
     )
-    features: Literal["auto", "host"] = Field(
+    features: Literal["auto", "device", "host"] = Field(
         default="auto",
-        description="How the target's context features reach the drafter actor: 'auto' leaves them on "
-        "the GPU behind a CUDA IPC handle when both models lie on the same physical GPU (fractional "
-        "num_gpus; a lone target, not a tensor-parallel group) and goes through host memory "
-        "otherwise; 'host' always goes through host memory. Across GPUs there is no device path "
-        "(no NCCL channel).",
+        description="How the target's context features reach the drafter actor: 'device' leaves them "
+        "on the GPU behind a CUDA IPC handle when both models lie on the same physical GPU "
+        "(fractional num_gpus; a lone target, not a tensor-parallel group); 'auto' does so for a "
+        "call's features of 1 MiB or more and sends smaller ones through host memory (cheaper "
+        "there: the bundled pair's few KiB a step); 'host' always goes through host memory. "
+        "Across GPUs there is no device path (no NCCL channel).",
     )
     overlap: bool = Field(
         default=False,

@@ -39,6 +39,13 @@ from torch.multiprocessing.reductions import reduce_tensor
 from ddtree_serve.engine.interfaces import DrafterUnavailableError
 from ddtree_serve.serve.wire import PackedFeatures, pack_features, to_wire
 
+DEVICE_FEATURES_MIN_BYTES = 1 << 20
+"""Features of one call below this size cross through host memory under `placement.features:
+auto`: on the H200 the bundled pair's (a few KiB a step) took 0.34x the in-process rate served
+over the compiled graph by handle, 0.43x through host memory, in one call; a Kimi-K2.6-like
+call's (7168 x 5 wide, 16 rows a request) took 1.2-3.7 ms by handle against 3-157 ms through host
+memory from 1 MiB (batch 1) up (`bench/feature_delivery.py`)."""
+
 # Position of the device index among `reduce_tensor`'s rebuild arguments (torch 2.x:
 # tensor class, size, stride, offset, storage class, dtype, device, handle, ...).
 _DEVICE_ARG = 6
@@ -82,12 +89,14 @@ def same_gpu(target_uuid: str | None, drafter_uuid: str | None) -> bool:
     return target_uuid is not None and target_uuid == drafter_uuid
 
 
-def wire_features(features: Sequence[torch.Tensor], on_device: bool) -> Any:
+def wire_features(features: Sequence[torch.Tensor], on_device: bool, min_bytes: int = 0) -> Any:
     """`features` (request i's `[n_i, F]`, on one device) as they cross to the drafter: a
-    `DeviceFeatures` handle when `on_device` and they lie on a GPU, else the wired
-    `PackedFeatures` of the host path (also for no rows: nothing worth a handle)."""
+    `DeviceFeatures` handle when `on_device`, they lie on a GPU and hold at least `min_bytes`,
+    else the wired `PackedFeatures` of the host path (also for no rows: nothing worth a handle)."""
     tensors = list(features)
     if not on_device or not tensors or tensors[0].device.type != "cuda":
+        return to_wire(pack_features(tensors))
+    if sum(t.numel() * t.element_size() for t in tensors) < min_bytes:
         return to_wire(pack_features(tensors))
     joined = torch.cat(tensors)  # [sum of n_i, F]
     lengths = tuple(int(t.shape[0]) for t in tensors)

@@ -26,7 +26,7 @@ from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory
 from ddtree_serve.engine.interfaces import Drafter, Target
 from ddtree_serve.serve.compiled_graph import graph_workers
 from ddtree_serve.serve.config import ServeConfig, WorkerResources
-from ddtree_serve.serve.device_features import same_gpu
+from ddtree_serve.serve.device_features import DEVICE_FEATURES_MIN_BYTES, same_gpu
 from ddtree_serve.serve.target_group import start_target_group
 from ddtree_serve.serve.workers import (
     DrafterFactory,
@@ -130,7 +130,8 @@ def _deliver_features(config: ServeConfig, target: RayTarget, drafter: RayDrafte
     # Under the compiled graph the drafter opens each delivery in its execution; under actor
     # calls the target's adapter has it take each call's handle.
     graph = config.placement.transport == "compiled_graph"
-    target.deliver_features_on_device(None if graph else drafter)
+    min_bytes = DEVICE_FEATURES_MIN_BYTES if config.placement.features == "auto" else 0
+    target.deliver_features_on_device(None if graph else drafter, min_bytes)
 
 
 def restarts_target_in_place(config: ServeConfig) -> bool:

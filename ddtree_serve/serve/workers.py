@@ -95,8 +95,10 @@ class TargetWorker:
         self._last_graph_call: tuple[int | None, Wired] = (None, None)
         self._trace = CallTrace()
         # Context features stay on this GPU behind a handle (the drafter shares it), or go
-        # through host memory (the default; see `deliver_features_on_device`).
+        # through host memory (the default; see `deliver_features_on_device`); a call's
+        # features below `_device_min_bytes` go through host memory anyway.
         self._features_on_device = False
+        self._device_min_bytes = 0
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -109,11 +111,13 @@ class TargetWorker:
             "features_on_device": self._features_on_device,
         }
 
-    def deliver_features_on_device(self, enabled: bool) -> None:
+    def deliver_features_on_device(self, enabled: bool, min_bytes: int = 0) -> None:
         """From now on, send context features as CUDA IPC handles (`device_features.py`): the
         group found the drafter's model on this target's GPU. A handle must be opened once, and
-        at once (the target's block lives until then)."""
+        at once (the target's block lives until then). `min_bytes`: a call's features below it
+        go through host memory (`placement.features: auto`)."""
         self._features_on_device = enabled
+        self._device_min_bytes = min_bytes
 
     def trace_calls(self, enabled: bool) -> None:
         """Stamp each step call's parts from now on (or stop); see `call_trace.py`."""
@@ -163,7 +167,7 @@ class TargetWorker:
         return self._wire_features(self._target.encode_context(from_wire(inputs)))
 
     def _wire_features(self, features: Any) -> Wired:
-        return wire_features(features, self._features_on_device)
+        return wire_features(features, self._features_on_device, self._device_min_bytes)
 
     def release(self, slot: int) -> None:
         if self._serving:  # a restarted process holds nothing to release
@@ -404,12 +408,13 @@ class RayTarget(DescribedTarget):
         on they come from an engine that knows its slots are empty (the Coordinator's new one)."""
         ray.get(self._actor.start_serving.remote(num_slots))
 
-    def deliver_features_on_device(self, taker: "RayDrafter | None") -> None:
+    def deliver_features_on_device(self, taker: "RayDrafter | None", min_bytes: int = 0) -> None:
         """From now on the worker sends context features as CUDA IPC handles (the group found
-        the drafter on its GPU). `taker`: under actor calls, the drafter that opens each call's
-        handle once the call returned (a context the engine drafts from late, or never, would
-        keep the target's block meanwhile); None: the compiled graph delivers them."""
-        ray.get(self._actor.deliver_features_on_device.remote(True))
+        the drafter on its GPU), a call's below `min_bytes` through host memory. `taker`: under
+        actor calls, the drafter that opens each call's handle once the call returned (a
+        context the engine drafts from late, or never, would keep the target's block
+        meanwhile); None: the compiled graph delivers them."""
+        ray.get(self._actor.deliver_features_on_device.remote(True, min_bytes))
         self._feature_taker = taker
 
     def _send_features(self, context_ref: Any, slots: Any) -> None:

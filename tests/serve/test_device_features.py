@@ -29,6 +29,7 @@ from ddtree_serve.models import load_tokenizer
 from ddtree_serve.serve.compiled_graph import GraphTarget
 from ddtree_serve.serve.config import PlacementConfig, ServeConfig
 from ddtree_serve.serve.device_features import (
+    DEVICE_FEATURES_MIN_BYTES,
     DeviceFeatures,
     FeaturesNotTakenError,
     TakenFeatures,
@@ -56,34 +57,40 @@ class _Adapter(SimpleNamespace):
 
     told: list[Any]
 
-    def deliver_features_on_device(self, taker: Any) -> None:
-        self.told.append(taker)
+    def deliver_features_on_device(self, taker: Any, min_bytes: int = 0) -> None:
+        self.told.append((taker, min_bytes))
 
 
 @pytest.mark.parametrize(
-    ("features", "transport", "drafter_gpu", "expected"),
+    ("features", "transport", "drafter_gpu", "expected", "min_bytes"),
     [
-        ("auto", "actor_calls", "GPU-a", "drafter"),  # actor calls: the drafter takes each handle
-        ("auto", "compiled_graph", "GPU-a", None),  # the graph delivers them itself
-        ("auto", "actor_calls", "GPU-b", "host"),  # two GPUs: no device path is built
-        ("auto", "actor_calls", None, "host"),
-        ("host", "actor_calls", "GPU-a", "host"),
+        # actor calls: the drafter takes each handle; auto: small calls through host memory
+        ("auto", "actor_calls", "GPU-a", "drafter", DEVICE_FEATURES_MIN_BYTES),
+        ("device", "actor_calls", "GPU-a", "drafter", 0),
+        ("auto", "compiled_graph", "GPU-a", None, DEVICE_FEATURES_MIN_BYTES),  # the graph delivers
+        ("device", "compiled_graph", "GPU-a", None, 0),
+        ("auto", "actor_calls", "GPU-b", "host", 0),  # two GPUs: no device path is built
+        ("device", "actor_calls", "GPU-b", "host", 0),
+        ("auto", "actor_calls", None, "host", 0),
+        ("host", "actor_calls", "GPU-a", "host", 0),
     ],
 )
 def test_the_group_sends_features_by_handle_when_both_models_share_a_gpu(
-    features: str, transport: str, drafter_gpu: str | None, expected: str | None
+    features: str, transport: str, drafter_gpu: str | None, expected: str | None, min_bytes: int
 ) -> None:
     config = ServeConfig.model_validate({"placement": {"features": features, "transport": transport}})
     target = _Adapter(device_uuid="GPU-a", told=[])
     drafter = _Adapter(device_uuid=drafter_gpu, told=[])
     _deliver_features(config, target, drafter)  # type: ignore[arg-type]
-    assert target.told == ({"drafter": [drafter], None: [None], "host": []}[expected])
+    taker = {"drafter": drafter, None: None}
+    assert target.told == ([] if expected == "host" else [(taker[expected], min_bytes)])
     assert drafter.told == []
 
 
-def test_placement_features_default_to_auto_and_accept_only_auto_or_host() -> None:
+def test_placement_features_default_to_auto_and_accept_only_auto_device_or_host() -> None:
     assert PlacementConfig().features == "auto"
     assert PlacementConfig(features="host").features == "host"
+    assert PlacementConfig(features="device").features == "device"
     with pytest.raises(ValidationError):
         PlacementConfig(features="nccl")  # type: ignore[arg-type]
 
@@ -209,6 +216,20 @@ def test_a_handle_never_opened_keeps_its_block(gpu_ray_cluster: None) -> None:
     assert held >= 4 * 256 * 4096 * 2  # four bf16 blocks of [256, 4096]
 
 
+@cuda_only
+@pytest.mark.gpu
+def test_features_below_the_threshold_cross_through_host_memory() -> None:
+    """`placement.features: auto`: a call's features below `DEVICE_FEATURES_MIN_BYTES` take the
+    host path (the same bytes as ever), from it up a handle."""
+    small = [torch.randn(4, 768, device="cuda", dtype=torch.bfloat16)]  # 6 KiB: the bundled pair's
+    large = [torch.randn(16, 7168 * 5, device="cuda", dtype=torch.bfloat16)]  # 1.1 MiB: Kimi-like
+    wired = wire_features(small, True, DEVICE_FEATURES_MIN_BYTES)
+    assert isinstance(wired, Wired)
+    assert torch.equal(from_wire(wired).unpack()[0], small[0].cpu())
+    assert isinstance(wire_features(large, True, DEVICE_FEATURES_MIN_BYTES), DeviceFeatures)
+    assert isinstance(wire_features(small, True, 0), DeviceFeatures)
+
+
 def _kill(*actors: Any) -> None:
     for actor in actors:
         ray.kill(actor)
@@ -245,6 +266,7 @@ def test_greedy_through_a_group_on_one_gpu_with_features_by_handle_equals_in_pro
 ) -> None:
     share = {"num_cpus": 0.5, "num_gpus": 0.5}
     placement = {"transport": transport, "drafter": share, "target": share}
+    placement["features"] = "device"  # the bundled pair's features are below auto's threshold
     config = ServeConfig(engine=GPU_ENGINE, placement=placement)  # type: ignore[arg-type]
     target, drafter = start_workers(config)
     try:
