@@ -217,12 +217,18 @@ async def run_all(
     return sorted(medians, key=lambda r: (order.index(r.path), r.concurrency))
 
 
-def start_cluster(config: ServeConfig, ray_dir: str) -> None:
-    """One Ray cluster and Serve with the proxies of `config`; applications come and go."""
+def start_cluster(config: ServeConfig, ray_dir: str, throughput_optimized: bool = False) -> None:
+    """One Ray cluster and Serve with the proxies of `config`; applications come and go.
+    `throughput_optimized`: Ray Serve's throughput-optimized mode for the whole cluster (the
+    launcher's `--serve-throughput-optimized`)."""
     import ray
     from ray import serve
 
     from ddtree_serve.serve.app import serve_start_options
+    from ddtree_serve.serve.launcher import choose_serve_mode
+
+    if line := choose_serve_mode(throughput_optimized):
+        print(line)
 
     num_gpus = 1 if config.engine.device.startswith("cuda") else 0
     ray.init(address="local", num_cpus=2, num_gpus=num_gpus, include_dashboard=False, _temp_dir=ray_dir)
@@ -306,6 +312,11 @@ def main() -> None:
     ):
         parser.add_argument(flag, nargs="+", default=["off"], choices=["off", "on"], help=help_text)
     parser.add_argument(
+        "--serve-throughput-optimized",
+        action="store_true",
+        help="The cluster in Ray Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1).",
+    )
+    parser.add_argument(
         "--features",
         nargs="+",
         default=["auto"],
@@ -367,7 +378,7 @@ def main() -> None:
         for transport, overlap, chained, interval, features in combos
     ]
     ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
-    start_cluster(configs[0], ray_dir)
+    start_cluster(configs[0], ray_dir, args.serve_throughput_optimized)
     try:
         results = asyncio.run(run_all(engine_config, configs, args))
     finally:

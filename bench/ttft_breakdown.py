@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         grpc={"port": free_port()},  # type: ignore[arg-type]
     )
     ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
-    start_cluster(config, ray_dir)
+    start_cluster(config, ray_dir, args.serve_throughput_optimized)
     try:
         deploy(config)
         url = f"http://127.0.0.1:{config.http.port}/ttft/v1/completions"
@@ -140,6 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=12, help="sequential streaming requests")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--gap-s", type=float, default=0.2, help="pause between requests")
+    parser.add_argument(
+        "--serve-throughput-optimized",
+        action="store_true",
+        help="the cluster in Ray Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1)",
+    )
     return parser.parse_args(argv)
 
 

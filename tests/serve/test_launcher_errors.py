@@ -10,6 +10,7 @@ from ddtree_serve.cli import main
 from ddtree_serve.serve.launcher import (
     add_serve_arguments,
     choose_local_auth_mode,
+    choose_serve_mode,
     config_from_args,
     ray_init_options,
 )
@@ -110,6 +111,21 @@ def test_a_local_cluster_gets_a_dashboard_on_localhost_unless_turned_off() -> No
     assert ray_init_options(serve_args("--ray-address", "ray://elsewhere:10001")) == {
         "address": "ray://elsewhere:10001"
     }
+
+
+def test_the_serve_throughput_mode_is_set_only_when_asked_and_the_users_choice_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    assert choose_serve_mode(False) is None
+    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ
+    assert "throughput-optimized" in (choose_serve_mode(True) or "")
+    assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")
+    assert "=0 (from the environment)" in (choose_serve_mode(True) or "")
+    assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+    assert serve_args("--serve-throughput-optimized").serve_throughput_optimized
+    assert not serve_args().serve_throughput_optimized
 
 
 def test_the_auth_mode_of_a_local_cluster_is_set_explicitly_and_the_users_choice_wins(
