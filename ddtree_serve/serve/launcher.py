@@ -145,9 +145,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"Start the local cluster in Ray Serve's throughput-optimized mode "
         f"({THROUGHPUT_OPTIMIZED_VARIABLE}=1: direct ingress to the replicas, gRPC between "
-        "deployments, replica code on its own event loop; on the CPU machine served tokens/s "
-        "0.60-0.83x -> 0.71-0.90x of in process). A cluster started elsewhere takes the "
-        "variable from its own environment (default: off).",
+        "deployments, replica code on its own event loop). A cluster started elsewhere takes "
+        "the variable from its own environment (default: off).",
     )
     ray_group.add_argument(
         "--metrics-export-port",
