@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.serve.ports import free_port
 from tests.conftest import TinyModelDirs
 
@@ -94,3 +96,21 @@ def _wait_until_healthy(http_url: str, attempts: int = 120) -> None:
             pass
         time.sleep(0.5)
     pytest.fail("the application never became healthy")
+
+
+def run_schedule(
+    engine: SpecEngine, schedule: list[tuple[int, str, str, SamplingParams]]
+) -> dict[str, list[int]]:
+    """Adds each (step, request id, prompt, params) at its step, steps until idle; final tokens."""
+    finished: dict[str, list[int]] = {}
+    step = 0
+    pending = sorted(schedule, key=lambda item: item[0])
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, request_id, prompt, params = pending.pop(0)
+            engine.add_request(request_id, prompt, params)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+        step += 1
+    return finished

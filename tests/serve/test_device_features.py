@@ -39,6 +39,7 @@ from ddtree_serve.serve.device_features import (
 )
 from ddtree_serve.serve.group import _deliver_features, start_workers
 from ddtree_serve.serve.wire import Wired, from_wire, pack_features, to_wire
+from tests.serve.conftest import run_schedule
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -244,18 +245,9 @@ PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(10
 def _run_greedy(engine: SpecEngine, lengths: list[int]) -> dict[str, list[int]]:
     """Requests of `lengths` tokens joining two steps apart (more than fit at once); final tokens."""
     greedy = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    schedule = [(2 * i, f"g{i}", PROMPTS[i % len(PROMPTS)], params) for i, params in enumerate(greedy)]
-    finished: dict[str, list[int]] = {}
-    step = 0
-    while schedule or engine.has_unfinished_requests():
-        while schedule and schedule[0][0] <= step:
-            _, request_id, prompt, params = schedule.pop(0)
-            engine.add_request(request_id, prompt, params)
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = list(output.token_ids)
-        step += 1
-    return finished
+    return run_schedule(
+        engine, [(2 * i, f"g{i}", PROMPTS[i % len(PROMPTS)], params) for i, params in enumerate(greedy)]
+    )
 
 
 @cuda_only

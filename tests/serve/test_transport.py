@@ -30,6 +30,7 @@ from ddtree_serve.serve.compiled_graph import GraphTarget
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.group import reconnect_workers, start_workers
 from ddtree_serve.serve.workers import RayTarget, TargetRestartedError
+from tests.serve.conftest import run_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -83,22 +84,6 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _run(engine: SpecEngine, schedule: list[tuple[int, str, str, SamplingParams]]) -> dict[str, list[int]]:
-    """Adds each (step, request id, prompt, params) at its step, steps until idle; final tokens."""
-    finished: dict[str, list[int]] = {}
-    step = 0
-    pending = sorted(schedule, key=lambda item: item[0])
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, request_id, prompt, params = pending.pop(0)
-            engine.add_request(request_id, prompt, params)
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = list(output.token_ids)
-        step += 1
-    return finished
-
-
 def _mixed_schedule(tag: str) -> list[tuple[int, str, str, SamplingParams]]:
     """Requests of different lengths joining at different steps; more than fit at once."""
     lengths = [40, 9, 25, 3, 30, 17]
@@ -110,8 +95,8 @@ def _mixed_schedule(tag: str) -> list[tuple[int, str, str, SamplingParams]]:
 def test_greedy_mixed_batch_equals_the_in_process_engine(
     served_engine: SpecEngine, local_engine: SpecEngine
 ) -> None:
-    served = _run(served_engine, _mixed_schedule("g"))
-    local = _run(local_engine, _mixed_schedule("g"))
+    served = run_schedule(served_engine, _mixed_schedule("g"))
+    local = run_schedule(local_engine, _mixed_schedule("g"))
     assert served == local
     assert len(served) == 6
     assert served_engine.scheduler.num_free_slots == ENGINE.max_num_seqs
@@ -138,11 +123,11 @@ def test_cancelling_in_either_micro_batch_frees_its_slot(
     assert all(outputs[r].finish_reason == "abort" for r in cancelled)
     # The freed slots take newcomers at once, whose tokens are the in-process engine's.
     newcomers = [(0, f"n{i}", PROMPTS[4 - i], _greedy(12)) for i in range(2)]
-    served = _run(served_engine, newcomers)
+    served = run_schedule(served_engine, newcomers)
     for i in range(4):
         served_engine.abort_request(f"c{i}")
-    _run(served_engine, [])
-    assert {k: v for k, v in served.items() if k.startswith("n")} == _run(local_engine, newcomers)
+    run_schedule(served_engine, [])
+    assert {k: v for k, v in served.items() if k.startswith("n")} == run_schedule(local_engine, newcomers)
     assert served_engine.scheduler.num_free_slots == ENGINE.max_num_seqs
 
 
@@ -150,7 +135,7 @@ def test_seeded_sampling_is_the_same_in_either_micro_batch(
     served_engine: SpecEngine, local_engine: SpecEngine
 ) -> None:
     seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
-    alone = _run(local_engine, [(0, "s", PROMPTS[1], seeded)])["s"]
+    alone = run_schedule(local_engine, [(0, "s", PROMPTS[1], seeded)])["s"]
     others = [(0, f"o{i}", PROMPTS[i + 2], _greedy(30)) for i in range(3)]
     # First in the scheduled order, "s" leads the first micro-batch; joining a step after the
     # others, it starts in the second.
@@ -184,7 +169,7 @@ def _run_tracking(
 
     engine.step = counted_step  # type: ignore[method-assign]
     try:
-        return _run(engine, schedule)[request_id], in_first
+        return run_schedule(engine, schedule)[request_id], in_first
     finally:
         del engine.step
 
@@ -245,7 +230,7 @@ def test_a_serial_verify_runs_the_engines_host_work_while_the_workers_run(served
 
     target.verify_and_commit = hooked
     try:
-        outputs = _run(served_engine, [(0, "hooked", PROMPTS[0], _greedy(12))])
+        outputs = run_schedule(served_engine, [(0, "hooked", PROMPTS[0], _greedy(12))])
     finally:
         del target.verify_and_commit
     assert len(outputs["hooked"]) == 12
@@ -257,7 +242,7 @@ def test_a_killed_drafter_decodes_plainly_then_speculates_again(
 ) -> None:
     """The graph breaks, is torn down, and is compiled over the new drafter."""
     schedule = [(0, f"k{i}", PROMPTS[i], _greedy(60)) for i in range(3)]
-    expected = _run(local_engine, schedule)
+    expected = run_schedule(local_engine, schedule)
     for _, request_id, prompt, params in schedule:
         served_engine.add_request(request_id, prompt, params)
     finished: dict[str, list[int]] = {}
@@ -277,7 +262,7 @@ def test_a_killed_drafter_decodes_plainly_then_speculates_again(
             break
         time.sleep(0.1)
     again = [(0, "after", PROMPTS[4], _greedy(20))]
-    assert _run(served_engine, again) == _run(local_engine, again)
+    assert run_schedule(served_engine, again) == run_schedule(local_engine, again)
     assert served_engine.speculating
 
 
@@ -315,7 +300,7 @@ def test_a_killed_target_restarts_in_place_under_a_new_engine(
     )
     try:
         again = [(0, f"r{i}", PROMPTS[i], _greedy(30)) for i in range(ENGINE.max_num_seqs)]
-        assert _run(engine, again) == _run(local_engine, again)
+        assert run_schedule(engine, again) == run_schedule(local_engine, again)
         assert engine.speculating and engine.num_drafter_losses == 0
     finally:
         if isinstance(new_target, GraphTarget):
