@@ -193,11 +193,14 @@ async def run_all(
                 for config in configs:
                     await asyncio.to_thread(deploy, config)
                     url = f"http://127.0.0.1:{config.http.port}/{config.app_name}"
+                    stub = DDTreeServeStub(channel)
+                    if args.direct_ingress:  # the ingress replica's own servers, not the proxy
+                        direct = await asyncio.to_thread(direct_ingress_ports, config.app_name)
+                        url = f"http://127.0.0.1:{direct['http']}/{config.app_name}"
+                        stub = DDTreeServeStub(grpc.aio.insecure_channel(f"127.0.0.1:{direct['grpc']}"))
                     paths = {
                         f"http {config.app_name}": http_request(client, url, args.max_tokens),
-                        f"grpc {config.app_name}": grpc_request(
-                            DDTreeServeStub(channel), args.max_tokens, config.app_name
-                        ),
+                        f"grpc {config.app_name}": grpc_request(stub, args.max_tokens, config.app_name),
                     }
                     order += [path for path in paths if path not in order]
                     for request in paths.values():
@@ -233,6 +236,24 @@ def start_cluster(config: ServeConfig, ray_dir: str, throughput_optimized: bool 
     num_gpus = 1 if config.engine.device.startswith("cuda") else 0
     ray.init(address="local", num_cpus=2, num_gpus=num_gpus, include_dashboard=False, _temp_dir=ray_dir)
     serve.start(**serve_start_options(config))
+
+
+def direct_ingress_ports(app_name: str) -> dict[str, int]:
+    """The application's ingress replica's own ports ("http", "grpc") under Ray Serve's direct
+    ingress (the throughput-optimized mode), on this host (its HTTP server binds the app's
+    HTTP host, 127.0.0.1 here): requests sent there skip the proxy's hop."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    controller = _get_global_client()._controller
+    groups = ray.get(controller.get_target_groups.remote(app_name))
+    targets = {}
+    for group in groups:
+        if group.app_name == app_name and group.targets:
+            targets[str(group.protocol.value).lower()] = group.targets[0].port
+    if set(targets) != {"http", "grpc"}:
+        raise RuntimeError(f"no direct ingress for {app_name!r} (--serve-throughput-optimized?): {groups}")
+    return targets
 
 
 def deploy(config: ServeConfig) -> None:
@@ -315,6 +336,12 @@ def main() -> None:
         "--serve-throughput-optimized",
         action="store_true",
         help="The cluster in Ray Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1).",
+    )
+    parser.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="Send the served requests to the ingress replica's own HTTP and gRPC servers (Ray "
+        "Serve's direct ingress; needs --serve-throughput-optimized) instead of the proxies.",
     )
     parser.add_argument(
         "--features",

@@ -29,7 +29,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import deploy, start_cluster, stop_application
+from serve_load import deploy, direct_ingress_ports, start_cluster, stop_application
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.serve.config import ServeConfig
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     start_cluster(config, ray_dir, args.serve_throughput_optimized)
     try:
         deploy(config)
-        url = f"http://127.0.0.1:{config.http.port}/ttft/v1/completions"
+        port = direct_ingress_ports("ttft")["http"] if args.direct_ingress else config.http.port
+        url = f"http://127.0.0.1:{port}/ttft/v1/completions"
         timings = []
         with httpx.Client(timeout=60.0) as client:
             for _ in range(args.requests):
@@ -144,6 +145,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--serve-throughput-optimized",
         action="store_true",
         help="the cluster in Ray Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1)",
+    )
+    parser.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="send to the ingress replica's own HTTP server (needs --serve-throughput-optimized), "
+        "not the proxy",
     )
     return parser.parse_args(argv)
 
