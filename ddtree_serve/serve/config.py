@@ -94,9 +94,11 @@ class PlacementConfig(_Strict):
         default="auto",
         description="How the target's context features reach the drafter actor: 'device' leaves them "
         "on the GPU behind a CUDA IPC handle when both models lie on the same physical GPU "
-        "(fractional num_gpus; a lone target, not a tensor-parallel group); 'auto' does so for a "
-        "call's features of 1 MiB or more and sends smaller ones through host memory (cheaper "
-        "there: the bundled pair's few KiB a step); 'host' always goes through host memory. "
+        "(fractional num_gpus; a lone target, not a tensor-parallel group); 'auto' does so under "
+        "the compiled graph for a call's features of 1 MiB or more and sends smaller ones, and "
+        "every call under actor calls (where each handle costs the drafter a call of its own and "
+        "one sent while it restarts is never freed), through host memory; 'host' always goes "
+        "through host memory. "
         "Across GPUs there is no device path (no NCCL channel).",
     )
     overlap: bool = Field(

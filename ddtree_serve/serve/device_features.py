@@ -19,8 +19,11 @@ opened exactly once, and soon. The compiled graph does (`DrafterWorker.graph_tak
 in the delivery's own execution); under actor calls the engine drafts from a context steps later,
 or never (every request of the call ended), so `RayTarget` has the drafter take each call's
 handle once the call's result is back (`DrafterWorker.take_features`) and the drafter keeps the
-copies (`TakenFeatures`) until drafts or releases used them. Only a drafter that dies between a
-delivery and its opening leaves blocks behind (one per delivery in flight).
+copies (`TakenFeatures`) until drafts or releases used them. A drafter that dies between a
+delivery and its opening leaves that block behind, and under actor calls so does every call
+the target answers while the drafter restarts (the engine still asks for the prefills'
+context, and the take sent to a restarting actor fails): `placement.features: auto` therefore
+sends handles under the compiled graph only, actor calls only under `device`.
 
 Ordering: the target's `torch.cat` runs on its stream, and sharing records an event there that
 the drafter's stream waits on before its copy; the drafter waits for its copy before it drops

@@ -124,13 +124,19 @@ def _start_actors(
 
 
 def _deliver_features(config: ServeConfig, target: RayTarget, drafter: RayDrafter) -> None:
-    """Features by CUDA IPC handle when both models lie on one GPU and the config allows it."""
-    if config.placement.features == "host" or not same_gpu(target.device_uuid, drafter.device_uuid):
-        return
-    # Under the compiled graph the drafter opens each delivery in its execution; under actor
-    # calls the target's adapter has it take each call's handle.
+    """Features by CUDA IPC handle when both models lie on one GPU and the config allows it.
+
+    Under the compiled graph the drafter opens each delivery in its execution. Under actor calls
+    the target's adapter has the drafter take each call's handle by a call of its own, one more
+    per step, and a handle sent while the drafter restarts is never opened (its block stays with
+    the target's process): only `device` asks for that; `auto` keeps actor calls on the host path."""
+    features = config.placement.features
     graph = config.placement.transport == "compiled_graph"
-    min_bytes = DEVICE_FEATURES_MIN_BYTES if config.placement.features == "auto" else 0
+    if features == "host" or (features == "auto" and not graph):
+        return
+    if not same_gpu(target.device_uuid, drafter.device_uuid):
+        return
+    min_bytes = DEVICE_FEATURES_MIN_BYTES if features == "auto" else 0
     target.deliver_features_on_device(None if graph else drafter, min_bytes)
 
 

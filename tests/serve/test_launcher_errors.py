@@ -116,7 +116,9 @@ def test_a_local_cluster_gets_a_dashboard_on_localhost_unless_turned_off() -> No
 def test_the_serve_throughput_mode_is_set_only_when_asked_and_the_users_choice_wins(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    # Set, then removed, through monkeypatch: it restores whatever was there before the test.
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "unset")
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED")
     assert choose_serve_mode(False) is None
     assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ
     assert "throughput-optimized" in (choose_serve_mode(True) or "")
@@ -131,7 +133,8 @@ def test_the_serve_throughput_mode_is_set_only_when_asked_and_the_users_choice_w
 def test_the_auth_mode_of_a_local_cluster_is_set_explicitly_and_the_users_choice_wins(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "unset")  # so monkeypatch restores the variable after
+    monkeypatch.delenv("RAY_AUTH_MODE")
     assert "RAY_AUTH_MODE=token" in choose_local_auth_mode()
     assert os.environ["RAY_AUTH_MODE"] == "token"
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")

@@ -133,8 +133,8 @@ class AdaptiveBudget:
         self._num_calibrations = 0
         self._learning = True  # this step drafts to teach the calibrator (`LEARNING_STEPS`)
         self._num_drafted_steps = 0  # observed, for `NODE_LESSON_INTERVAL`
-        # (ceiling, width) of the last weighing of widths (None: none since the last
-        # decision): the steps of a streak at that ceiling are `settled` at that width.
+        # (ceiling, width) of the last weighing of widths (None: none, or caps or captured
+        # graphs cut it): a held streak's steps at that ceiling are `settled` at that width.
         self._weighed: tuple[int, int] | None = None
         self.settled = False  # this step takes the last weighing's width without weighing
 
