@@ -41,6 +41,7 @@ from ddtree_serve.engine.async_llm import AsyncLLM
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.launcher import direct_ingress_ports
 from ddtree_serve.serve.ports import free_port
 
 PROMPTS = [
@@ -196,6 +197,8 @@ async def run_all(
                     stub = DDTreeServeStub(channel)
                     if args.direct_ingress:  # the ingress replica's own servers, not the proxy
                         direct = await asyncio.to_thread(direct_ingress_ports, config.app_name)
+                        if set(direct) != {"http", "grpc"}:
+                            raise RuntimeError("no direct ingress: run with --serve-throughput-optimized")
                         url = f"http://127.0.0.1:{direct['http']}/{config.app_name}"
                         stub = DDTreeServeStub(grpc.aio.insecure_channel(f"127.0.0.1:{direct['grpc']}"))
                     paths = {
@@ -236,24 +239,6 @@ def start_cluster(config: ServeConfig, ray_dir: str, throughput_optimized: bool 
     num_gpus = 1 if config.engine.device.startswith("cuda") else 0
     ray.init(address="local", num_cpus=2, num_gpus=num_gpus, include_dashboard=False, _temp_dir=ray_dir)
     serve.start(**serve_start_options(config))
-
-
-def direct_ingress_ports(app_name: str) -> dict[str, int]:
-    """The application's ingress replica's own ports ("http", "grpc") under Ray Serve's direct
-    ingress (the throughput-optimized mode), on this host (its HTTP server binds the app's
-    HTTP host, 127.0.0.1 here): requests sent there skip the proxy's hop."""
-    import ray
-    from ray.serve.context import _get_global_client
-
-    controller = _get_global_client()._controller
-    groups = ray.get(controller.get_target_groups.remote(app_name))
-    targets = {}
-    for group in groups:
-        if group.app_name == app_name and group.targets:
-            targets[str(group.protocol.value).lower()] = group.targets[0].port
-    if set(targets) != {"http", "grpc"}:
-        raise RuntimeError(f"no direct ingress for {app_name!r} (--serve-throughput-optimized?): {groups}")
-    return targets
 
 
 def deploy(config: ServeConfig) -> None:

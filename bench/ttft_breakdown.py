@@ -29,10 +29,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import deploy, direct_ingress_ports, start_cluster, stop_application
+from serve_load import deploy, start_cluster, stop_application
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.launcher import direct_ingress_ports
 from ddtree_serve.serve.ports import free_port
 
 PARTS = (

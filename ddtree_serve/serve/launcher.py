@@ -274,6 +274,22 @@ def _without_serve_start_notice() -> Iterator[None]:
         serve_logger.removeFilter(notice_filter)
 
 
+def direct_ingress_ports(app_name: str) -> dict[str, int]:
+    """The ingress replica's own ports ("http", "grpc") under Ray Serve's direct ingress (the
+    throughput-optimized mode; empty when it is off): where a client or a load balancer may
+    connect instead of the proxies, one hop shorter. Read from the controller's target groups,
+    whose proxy groups name no ingress deployment."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    groups = ray.get(_get_global_client()._controller.get_target_groups.remote(app_name))
+    return {
+        str(group.protocol.value).lower(): group.targets[0].port
+        for group in groups
+        if group.app_name == app_name and group.ingress_deployment_name and group.targets
+    }
+
+
 def metrics_endpoint() -> str | None:
     """This node's Prometheus endpoint (Ray's metrics export port), once Ray is up."""
     import ray
@@ -324,6 +340,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"  HTTP       http://{config.http.host}:{config.http.port}/v1  (OpenAI-compatible)")
         # Ray Serve's gRPC proxy takes no host: it listens on every interface ([::]).
         print(f"  gRPC       127.0.0.1:{config.grpc.port}  (ddtree_serve.v1.DDTreeServe; all interfaces)")
+        if direct := direct_ingress_ports(config.app_name):
+            print(
+                f"  direct     http://{config.http.host}:{direct['http']}/v1, gRPC 127.0.0.1:{direct['grpc']}"
+                "  (the ingress replica's own servers: no proxy hop)"
+            )
         dashboard_url = getattr(context, "dashboard_url", None)
         print(f"  dashboard  {'http://' + dashboard_url if dashboard_url else 'off (--no-dashboard)'}")
         print(f"  metrics    {metrics_endpoint() or 'unknown'}  (Prometheus, ray_ddtree_*)")

@@ -1,6 +1,7 @@
 """`ddtree-serve serve` as a user runs it: start, answer, Ctrl-C, and no Ray process left behind."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,9 +37,12 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
+@pytest.mark.parametrize("throughput_optimized", [False, True])
 def test_serve_command_serves_until_sigint_then_leaves_no_ray_process(
-    tiny_model_dirs: TinyModelDirs, tmp_path: Path
+    tiny_model_dirs: TinyModelDirs, tmp_path: Path, throughput_optimized: bool
 ) -> None:
+    """Optimized (`--serve-throughput-optimized`): the banner also names the ingress replica's
+    own HTTP server (Ray Serve's direct ingress), and it answers."""
     raw = tiny_serve_config(tiny_model_dirs)
     config_path = tmp_path / "serve.yaml"
     config_path.write_text(yaml.safe_dump({key: raw[key] for key in ("model_name", "engine")}))
@@ -50,7 +54,9 @@ def test_serve_command_serves_until_sigint_then_leaves_no_ray_process(
         "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--num-cpus", "2", "--ray-temp-dir", ray_dir,
         "--dashboard-port", str(dashboard_port), "--metrics-export-port", str(metrics_port),
+        *(["--serve-throughput-optimized"] if throughput_optimized else []),
     ]  # fmt: skip
+    inherited = ("RAY_AUTH_MODE", "RAY_SERVE_THROUGHPUT_OPTIMIZED")
     process = subprocess.Popen(
         command,
         cwd=REPO_ROOT,
@@ -58,7 +64,7 @@ def test_serve_command_serves_until_sigint_then_leaves_no_ray_process(
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        env={name: value for name, value in os.environ.items() if name != "RAY_AUTH_MODE"},
+        env={name: value for name, value in os.environ.items() if name not in inherited},
     )
     printed = []
     try:
@@ -82,6 +88,15 @@ def test_serve_command_serves_until_sigint_then_leaves_no_ray_process(
             f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60
         )
         assert response.status_code == 200
+        direct = re.search(r"direct     http://127\.0\.0\.1:(\d+)/v1", banner)
+        assert (direct is not None) == throughput_optimized, banner[-2000:]
+        if direct is not None:
+            response = httpx.post(
+                f"http://127.0.0.1:{direct.group(1)}/v1/completions",
+                json={"prompt": "hi", "max_tokens": 4},
+                timeout=60,
+            )
+            assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
         assert processes_mentioning(ray_dir)  # the cluster is really there before Ctrl-C
 
         process.send_signal(signal.SIGINT)
