@@ -332,8 +332,9 @@ def main() -> None:
         "--features",
         nargs="+",
         default=["auto"],
-        choices=["auto", "host"],
-        help="placement.features values (auto: a CUDA IPC handle when both actors share a GPU).",
+        choices=["auto", "device", "host"],
+        help="placement.features values (device: a CUDA IPC handle whenever both actors share a "
+        "GPU; auto: only under the compiled graph, from 1 MiB a call).",
     )
     parser.add_argument(
         "--stream-batching-interval-ms",

@@ -40,7 +40,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ddtree_serve.engine.interfaces import DrafterUnavailableError
-from ddtree_serve.serve.wire import PackedFeatures, pack_features, to_wire
+from ddtree_serve.serve.wire import pack_features, to_wire
 
 DEVICE_FEATURES_MIN_BYTES = 1 << 20
 """Features of one call below this size cross through host memory under `placement.features:
@@ -97,14 +97,11 @@ def wire_features(features: Sequence[torch.Tensor], on_device: bool, min_bytes: 
     `DeviceFeatures` handle when `on_device`, they lie on a GPU and hold at least `min_bytes`,
     else the wired `PackedFeatures` of the host path (also for no rows: nothing worth a handle)."""
     tensors = list(features)
-    if not on_device or not tensors or tensors[0].device.type != "cuda":
-        return to_wire(pack_features(tensors))
-    if sum(t.numel() * t.element_size() for t in tensors) < min_bytes:
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    if not on_device or num_bytes == 0 or num_bytes < min_bytes or tensors[0].device.type != "cuda":
         return to_wire(pack_features(tensors))
     joined = torch.cat(tensors)  # [sum of n_i, F]
     lengths = tuple(int(t.shape[0]) for t in tensors)
-    if joined.numel() == 0:
-        return to_wire(PackedFeatures(joined.cpu(), lengths))
     torch.cuda.ipc_collect()  # frees the blocks of earlier deliveries that the drafter opened
     rebuild, args = reduce_tensor(joined)
     uuid_of_gpu = cuda_device_uuid(joined.device)

@@ -111,12 +111,12 @@ class TargetWorker:
             "features_on_device": self._features_on_device,
         }
 
-    def deliver_features_on_device(self, enabled: bool, min_bytes: int = 0) -> None:
+    def deliver_features_on_device(self, min_bytes: int = 0) -> None:
         """From now on, send context features as CUDA IPC handles (`device_features.py`): the
         group found the drafter's model on this target's GPU. A handle must be opened once, and
         at once (the target's block lives until then). `min_bytes`: a call's features below it
         go through host memory (`placement.features: auto`)."""
-        self._features_on_device = enabled
+        self._features_on_device = True
         self._device_min_bytes = min_bytes
 
     def trace_calls(self, enabled: bool) -> None:
@@ -414,7 +414,7 @@ class RayTarget(DescribedTarget):
         actor calls, the drafter that opens each call's handle once the call returned (a
         context the engine drafts from late, or never, would keep the target's block
         meanwhile); None: the compiled graph delivers them."""
-        ray.get(self._actor.deliver_features_on_device.remote(True, min_bytes))
+        ray.get(self._actor.deliver_features_on_device.remote(min_bytes))
         self._feature_taker = taker
 
     def _send_features(self, context_ref: Any, slots: Any) -> None:
