@@ -324,7 +324,7 @@ class SpecEngine:
             ceiling = self.budget_policy.plan(self._adaptive_caps(requests, self._keepable_depths(requests)))
             if ceiling == 0:
                 return running, None
-            top_k = min(top_k, ceiling)
+            top_k = min(top_k, self.budget_policy.settled_width or ceiling)
             if self.budget_policy.probing:
                 # A probe after plain steps only refreshes the acceptance curve: a few requests
                 # tell it, and only they pay the drafter's catch-up on the context they skipped.
@@ -512,8 +512,10 @@ class SpecEngine:
         drafted = len(draft.num_context_tokens)  # checked against the drafted requests in `_draft`
         captured = None
         keepable = self._keepable_depths(requests)
+        # A settled step builds no wider than the width it will verify (`settled_width`).
+        ceiling = policy.settled_width or policy.ceiling
         caps = [
-            min(cap, policy.ceiling) if i < drafted else 0
+            min(cap, ceiling) if i < drafted else 0
             for i, cap in enumerate(self._adaptive_caps(requests, keepable))
         ]
         if self.graph_shapes is not None:

@@ -33,6 +33,8 @@ COSTS = {
     "costly_drafter": {"tokens": [1, 4096], "ms": [10.0, 10.0], "draft_ms": 1000.0},
     "steep": {"tokens": [1, 64], "ms": [10.0, 136.0], "draft_ms": 1.0},
 }
+SETTLED_COST = {"tokens": [1, 4096], "ms": [10.0, 1034.0], "draft_ms": 1.0}
+"""A quarter of a millisecond a verified token: wide trees pay for their likeliest nodes only."""
 
 
 FILE_ONLY = BuildCost(0.0, 0.0, 0.0)
@@ -51,7 +53,7 @@ def steer_by_the_file(engine: SpecEngine) -> None:
 def cost_files(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("costs")
     paths = {}
-    for name, curve in COSTS.items():
+    for name, curve in {**COSTS, "gentle": SETTLED_COST}.items():
         path = folder / f"{name}.json"
         path.write_text(json.dumps(curve))
         paths[name] = str(path)
@@ -99,6 +101,46 @@ def test_greedy_adaptive_equals_plain_decoding_oracle(
     for i, prompt in enumerate(prompt_ids):
         assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
     assert_regime(cost, steps)
+
+
+def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_ids, cost_files):
+    """Verified tokens cost enough that weighings keep only the likeliest nodes of a ceiling's
+    trees: a settled step asks the drafter for its width's ranks only and verifies trees no
+    wider, and the output stays plain decoding's."""
+    max_tokens = 64
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["gentle"]}))
+    steer_by_the_file(engine)
+    policy, drafter = engine.budget_policy, engine.drafter
+    settled_widths: list[int | None] = []
+    top_ks: list[int] = []
+    plan, draft = policy.plan, drafter.draft
+
+    def recording_plan(caps):
+        ceiling = plan(caps)
+        settled_widths.append(policy.settled_width if ceiling else None)
+        return ceiling
+
+    def recording_draft(inputs):
+        top_ks.append(inputs.top_k)
+        return draft(inputs)
+
+    policy.plan, drafter.draft = recording_plan, recording_draft
+    plain = build_local_engine(make_pair_config(mode="ar", max_num_seqs=3))
+    for each in (engine, plain):
+        for i, prompt in enumerate(prompt_ids):
+            each.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    outputs, steps = run_recording_steps(engine)
+    expected = {}
+    while plain.has_unfinished_requests():
+        expected.update({out.request_id: list(out.token_ids) for out in plain.step() if out.finished})
+    assert outputs == expected
+    drafted = [(width, step) for width, step in zip(settled_widths, steps, strict=True) if step.drafted]
+    assert len(top_ks) == len(drafted)  # one draft call per drafted step
+    settled = [(w, s, k) for (w, s), k in zip(drafted, top_ks, strict=True) if w is not None]
+    assert any(width < step.ceiling for width, step, _ in settled)
+    for width, step, top_k in settled:
+        assert top_k == width and max(step.num_nodes) <= width
 
 
 @pytest.mark.parametrize("cost", list(COSTS))

@@ -1,0 +1,263 @@
+"""The adaptive budget against fixed ones on this host, with models that take a device's time.
+
+The budget sweep on the H200 mixes two things: the policy's choices, and the Python the
+engine and the policy spend per step on a host where a whole step is 3-7 ms. This runs the
+real `SpecEngine` (scheduler, host tree build, the adaptive policy, bookkeeping) over two
+instant stand-in models that hold the host for the time a cost file says their forward takes
+(busy-waiting, as a synchronizing copy from the device would): `FakeTarget` verifies trees
+against a fixed "true" continuation per slot, `FakeDrafter` proposes it through a noisy top-K
+(the true token at rank 0, 1 or 2, or missing, more often missing deeper in the block). So
+tokens/s here are what the engine would reach on that device if its forwards cost what the file
+says, and the difference between the adaptive engine and a fixed budget at the same width is
+this host's policy work. It is a host-in-the-loop simulation, not a measurement of the models.
+
+    python bench/fake_device.py --cost bench/costs/bundled_pair_h200_bf16.json --concurrency 1 4 16 64
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.budget import CostCurve, load_cost_curve
+from ddtree_serve.engine.builder import bundled_target_dir
+from ddtree_serve.engine.interfaces import (
+    DraftInput,
+    DraftOutput,
+    EncodeInput,
+    PrefillInput,
+    PrefillOutput,
+    VerifyInput,
+    VerifyOutput,
+)
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.models import load_tokenizer
+from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS
+
+BLOCK_SIZE = 16
+"""Positions per draft block (the bundled drafter's)."""
+
+
+def hold(ms: float) -> None:
+    """Keep the host busy for `ms` milliseconds: a device forward the host waits for."""
+    end = time.perf_counter() + ms / 1000.0
+    while time.perf_counter() < end:
+        pass
+
+
+def truth(slots: np.ndarray, positions: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token at each absolute position of each slot's text (both fakes agree on it)."""
+    mixed = (slots.astype(np.int64) * 1_000_003 + positions.astype(np.int64) * 7919) % 2_147_483_647
+    return 1 + (mixed * 48271 % 2_147_483_647) % (vocab_size - 1)
+
+
+def noise(slots: np.ndarray, positions: np.ndarray, salt: int) -> np.ndarray:
+    """A deterministic uniform draw in [0, 1) per (slot, position)."""
+    mixed = (slots.astype(np.int64) * 2_654_435_761 + positions.astype(np.int64) * 40503 + salt * 97) % (
+        1 << 31
+    )
+    return ((mixed * 1_103_515_245 + 12345) % (1 << 31)) / float(1 << 31)
+
+
+class FakeTarget:
+    """Verifies trees against `truth`, greedily; holds the host for the cost curve's verify time."""
+
+    def __init__(self, cost: CostCurve, vocab_size: int, max_seq_len: int) -> None:
+        self.cost = cost
+        self.vocab_size = vocab_size
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.max_seq_len = max_seq_len
+        self.verify_token_buckets = TOKEN_BUCKETS
+        self.cached: dict[int, int] = {}
+
+    def prefill(self, inputs: PrefillInput) -> PrefillOutput:
+        lengths = [len(p) for p in inputs.prompts]
+        hold(float(self.cost.verify_ms(len(lengths), sum(lengths))))
+        slots = np.asarray(inputs.slots)
+        for slot, n in zip(inputs.slots, lengths, strict=True):
+            self.cached[slot] = n
+        first = truth(slots, np.asarray(lengths), self.vocab_size)
+        return PrefillOutput(torch.from_numpy(first), tuple(lengths), lengths)
+
+    def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        batch = inputs.batch
+        hold(float(self.cost.verify_ms(batch.batch_size, batch.batch_size * batch.padded_num_nodes)))
+        tokens, first_child = batch.tokens.numpy(), batch.retrieve_next_token.numpy()
+        sibling = batch.retrieve_next_sibling.numpy()
+        width = batch.max_depth + 1
+        accept_index = np.full((batch.batch_size, width), -1, dtype=np.int64)
+        accept_tokens = np.zeros((batch.batch_size, width), dtype=np.int64)
+        accept_len = np.zeros(batch.batch_size, dtype=np.int64)
+        bonus = np.zeros(batch.batch_size, dtype=np.int64)
+        cached = []
+        for row, slot in enumerate(inputs.slots):
+            start = self.cached[slot]
+            node, depth = 0, 0
+            accept_index[row, 0], accept_tokens[row, 0] = 0, tokens[row, 0]
+            child = first_child[row, 0]
+            while child >= 0:
+                expected = truth(np.array([slot]), np.array([start + depth + 1]), self.vocab_size)[0]
+                if tokens[row, child] == expected:
+                    node, depth = child, depth + 1
+                    accept_index[row, depth], accept_tokens[row, depth] = node, tokens[row, node]
+                    child = first_child[row, node]
+                else:
+                    child = sibling[row, child]
+            accept_len[row] = depth
+            bonus[row] = truth(np.array([slot]), np.array([start + depth + 1]), self.vocab_size)[0]
+            self.cached[slot] = start + depth + 1
+            cached.append(self.cached[slot])
+        return VerifyOutput(
+            accept_index=torch.from_numpy(accept_index),
+            accept_tokens=torch.from_numpy(accept_tokens),
+            accept_len=torch.from_numpy(accept_len),
+            bonus_token=torch.from_numpy(bonus),
+            num_cached_tokens=tuple(cached),
+            context=None if not inputs.return_context else (accept_len + 1).tolist(),
+        )
+
+    def encode_context(self, inputs: EncodeInput) -> list[int]:
+        return [len(ids) for ids in inputs.token_ids]
+
+    def release(self, slot: int) -> None:
+        self.cached.pop(slot, None)
+
+
+class FakeDrafter:
+    """Proposes `truth` through a noisy top-K; holds the host for the cost curve's draft time.
+
+    Per position d of the block (1-based), the true token is at rank 0 with probability
+    `hit * decay**d`, else at rank 1 or 2 (a fifth of the misses each), else absent; the rank-0
+    probability the drafter states is higher where it is right, as a real drafter's is."""
+
+    def __init__(self, cost: CostCurve, vocab_size: int, hit: float = 0.85, decay: float = 0.93) -> None:
+        self.cost = cost
+        self.vocab_size = vocab_size
+        self.block_size = BLOCK_SIZE
+        self.hit, self.decay = hit, decay
+        self.context: dict[int, int] = {}
+
+    def is_available(self) -> bool:
+        return True
+
+    def draft(self, inputs: DraftInput) -> DraftOutput:
+        hold(self.cost.draft_ms(len(inputs.slots)))
+        for slot, slices in zip(inputs.slots, inputs.contexts, strict=True):
+            self.context[slot] = self.context.get(slot, 0) + sum(s.handle[s.index] for s in slices)
+        slots = np.asarray(inputs.slots)[:, None]
+        num_levels, num_ranks = self.block_size - 1, inputs.top_k
+        starts = np.array([self.context[s] for s in inputs.slots])[:, None]
+        positions = starts + np.arange(1, num_levels + 1)[None, :]  # [B, L]
+        true = truth(slots, positions, self.vocab_size)
+        u, v = noise(slots, positions, 1), noise(slots, positions, 2)
+        p_hit = self.hit * self.decay ** np.arange(1, num_levels + 1)[None, :]
+        rank = np.where(
+            u < p_hit,
+            0,
+            np.where(u < p_hit + 0.2 * (1 - p_hit), 1, np.where(u < p_hit + 0.4 * (1 - p_hit), 2, -1)),
+        )
+        top = np.where(rank == 0, 0.45 + 0.5 * v, 0.15 + 0.5 * v)  # stated rank-0 probability
+        ranks = np.arange(num_ranks)[None, None, :]
+        probs = np.where(ranks == 0, top[..., None], (1 - top[..., None]) * 0.5**ranks)
+        ids = (true[..., None] + 17 * (ranks + 1)) % (self.vocab_size - 1) + 1  # wrong tokens
+        ids = np.where(ranks == rank[..., None], true[..., None], ids)
+        logp = np.log(np.maximum(probs, 1e-12)).astype(np.float32)
+        return DraftOutput(
+            torch.from_numpy(logp),
+            torch.from_numpy(ids.astype(np.int64)),
+            tuple(self.context[s] for s in inputs.slots),
+        )
+
+    def release(self, slot: int) -> None:
+        self.context.pop(slot, None)
+
+
+def engines(args: argparse.Namespace, cost_path: str, tokenizer) -> dict[str, SpecEngine]:
+    """AR, each fixed budget and the adaptive policy, each over its own fakes."""
+    base = EngineConfig(
+        budget=max(args.budgets),
+        max_num_seqs=max(args.concurrency),
+        max_seq_len=args.max_seq_len,
+        max_num_batched_tokens=1 << 20,
+    )
+    vocab_size = tokenizer.get_vocab_size()
+
+    def fakes() -> tuple[FakeTarget, FakeDrafter]:
+        cost = load_cost_curve(cost_path)
+        return FakeTarget(cost, vocab_size, args.max_seq_len), FakeDrafter(cost, vocab_size)
+
+    made: dict[str, SpecEngine] = {}
+    target, _ = fakes()
+    made["ar"] = SpecEngine(base.model_copy(update={"mode": "ar"}).to_settings(), target, None, tokenizer)
+    for budget in args.budgets:
+        target, drafter = fakes()
+        settings = base.model_copy(update={"budget": budget}).to_settings()
+        made[f"ddtree-{budget}"] = SpecEngine(settings, target, drafter, tokenizer)
+    target, drafter = fakes()
+    settings = base.model_copy(update={"budget_policy": "adaptive", "cost_curve": cost_path}).to_settings()
+    made["adaptive"] = SpecEngine(settings, target, drafter, tokenizer)
+    return made
+
+
+def tokens_per_s(engine: SpecEngine, concurrency: int, max_tokens: int, tag: str) -> float:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(f"{tag}-{i}", [1 + (7 * i + j) % 50 for j in range(24)], params)
+    started, produced = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        produced += sum(out.num_new_tokens for out in engine.step())
+    return produced / (time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cost", default="bench/costs/bundled_pair_h200_bf16.json", help="cost file (default: %(default)s)"
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument(
+        "--budgets", type=int, nargs="+", default=[8, 32, 64], help="fixed budgets (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)"
+    )
+    parser.add_argument("--max-seq-len", type=int, default=512)
+    parser.add_argument("--warmup-runs", type=int, default=1)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per engine, median (default: %(default)s)"
+    )
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(bundled_target_dir())
+    made = engines(args, args.cost, tokenizer)
+    names = list(made)
+    print(f"### Fake device ({args.cost}), {args.max_tokens} new tokens: tokens/s\n")
+    print("| concurrency | " + " | ".join(names) + " | adaptive / best | adaptive / ar |")
+    print("|---" * (len(names) + 3) + "|")
+    for concurrency in args.concurrency:
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        for run in range(args.warmup_runs + args.repeats):
+            for name in names:  # round-robin: drift falls on all alike
+                rate = tokens_per_s(made[name], concurrency, args.max_tokens, f"{concurrency}-{run}")
+                if run >= args.warmup_runs:
+                    rates[name].append(rate)
+        row = {name: statistics.median(values) for name, values in rates.items()}
+        best = max(value for name, value in row.items() if name != "adaptive")
+        cells = " | ".join(f"{row[name]:.0f}" for name in names)
+        print(
+            f"| {concurrency} | {cells} | {row['adaptive'] / best:.2f} | {row['adaptive'] / row['ar']:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
