@@ -5,7 +5,7 @@
 # serving stack into .gpu-wheels/site.tar.xz, which travels with the call (carry it). Each stage
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
-# graph chain overlap direct steps ttft ttft_direct features features_test (default: nvidia budget
+# graph chain overlap direct steps ttft ttft_direct fake features features_test (default: nvidia budget
 # hops serve).
 #
 #   bash bench/h200_run.sh budget hops
@@ -56,6 +56,7 @@ for stage in "${STAGES[@]}"; do
     budget256) run budget256 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 256 --max-seq-len 1024 --out-dir /tmp/budget256 --traces /tmp/budget256/traces.json
       cp /tmp/budget256/budget_sweep.json "$OUT/budget256_sweep.json" ;;  # plot it with --replot
+    fake) run fake 150 python3 bench/fake_device.py --concurrency 1 4 16 64 --repeats 2 ;;
     features) run features 150 python3 bench/feature_delivery.py --batch-sizes 1 16 64 --repeats 30 ;;
     features_test) run features_test 300 python3 -m pytest -q -p no:cacheprovider tests/serve/test_device_features.py ;;
     *) echo "unknown stage $stage" >&2 ;;
