@@ -4,7 +4,8 @@ The budget sweep on the H200 mixes two things: the policy's choices, and the Pyt
 engine and the policy spend per step on a host where a whole step is 3-7 ms. This runs the
 real `SpecEngine` (scheduler, host tree build, the adaptive policy, bookkeeping) over two
 instant stand-in models that hold the host for the time a cost file says their forward takes
-(busy-waiting, as a synchronizing copy from the device would): `FakeTarget` verifies trees
+(busy-waiting, as a synchronizing copy from the device would; the host work a CUDA target runs
+while its device verifies, `while_verifying`, runs within that time here too): `FakeTarget` verifies trees
 against a fixed "true" continuation per slot, `FakeDrafter` proposes it through a noisy top-K
 (the true token at rank 0, 1 or 2, or missing, more often missing deeper in the block). So
 tokens/s here are what the engine would reach on that device if its forwards cost what the file
@@ -18,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +79,9 @@ class FakeTarget:
         self.max_seq_len = max_seq_len
         self.verify_token_buckets = TOKEN_BUCKETS
         self.cached: dict[int, int] = {}
+        # An `AsyncDeviceTarget`, like a CUDA one: the engine's host work given here runs within
+        # the forward's time, as it runs while the device computes.
+        self.while_verifying: Callable[[], None] | None = None
 
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
         lengths = [len(p) for p in inputs.prompts]
@@ -89,7 +94,11 @@ class FakeTarget:
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
         batch = inputs.batch
-        hold(float(self.cost.verify_ms(batch.batch_size, batch.batch_size * batch.padded_num_nodes)))
+        started = time.perf_counter()
+        if self.while_verifying is not None:
+            self.while_verifying()
+        forward_ms = float(self.cost.verify_ms(batch.batch_size, batch.batch_size * batch.padded_num_nodes))
+        hold(forward_ms - 1000.0 * (time.perf_counter() - started))
         tokens, first_child = batch.tokens.numpy(), batch.retrieve_next_token.numpy()
         sibling = batch.retrieve_next_sibling.numpy()
         width = batch.max_depth + 1

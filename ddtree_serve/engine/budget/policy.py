@@ -233,6 +233,11 @@ class AdaptiveBudget:
         the choice runs every step, so its work is a few array operations whatever the batch.
         It chooses from the models as the step before the last left them: the last one's
         lesson waits for this step's verify, whose device work hides it (`learn`)."""
+        if self.settled and self._weighed is not None and self.layout == "padded":
+            settled = self._settled_choice(trees, caps, captured, self._weighed[1])
+            if settled is not None:
+                self._allocation = settled
+                return settled
         widest = min(self._ceiling, max(caps, default=0))  # what the step's trees may reach
         self._graph_capped = captured is not None and captured[-1] - 1 < widest
         lengths = trees.num_nodes - 1
@@ -251,9 +256,6 @@ class AdaptiveBudget:
             if captured is not None:  # the widest tree a captured graph holds
                 caps_np = np.minimum(caps_np, captured[-1] - 1)
             uncut = caps_np.min() >= lengths.max(initial=0)
-            if uncut and self.settled and self._weighed is not None:
-                self._allocation = self._settled_choice(calibrated, lengths, self._weighed[1], draft_ms)
-                return self._allocation
             usable = lengths if uncut else np.minimum(lengths, caps_np)
             self._allocation = allocate_padded_rows(
                 calibrated,
@@ -274,17 +276,31 @@ class AdaptiveBudget:
         return self._allocation
 
     def _settled_choice(
-        self, calibrated: np.ndarray, lengths: np.ndarray, width: int, draft_ms: float
-    ) -> Allocation:
-        """A settled step's choice: each request its first min(`width`, built) nodes
-        (`calibrated` is zero past each row's built ones)."""
+        self, trees: TreeBatch, caps: Sequence[int], captured: Sequence[int] | None, width: int
+    ) -> Allocation | None:
+        """A settled step's choice: each request its first min(`width`, built) nodes, unweighed;
+        None where a cap (or the widest captured graph) cuts a tree, which the weighing handles.
+        Only these nodes are read: the step is as lean as the choice allows (it teaches no
+        nodes, `observe`)."""
+        lengths = trees.num_nodes - 1
+        widest_cap = min(caps, default=0) if captured is None else min(min(caps, default=0), captured[-1] - 1)
+        if widest_cap < int(lengths.max(initial=0)):
+            return None
         batch_size = len(lengths)
         num_nodes = np.minimum(lengths, width)
         widest = int(num_nodes.max(initial=0))
+        raw = np.exp(trees.logws[:, 1 : 1 + widest]) * (np.arange(widest) < num_nodes[:, None])
+        self._raw_probs, self._built_lengths, self._whole_rows = raw, num_nodes, None
+        self._graph_capped = captured is not None and captured[-1] - 1 < min(
+            self._ceiling, max(caps, default=0)
+        )
+        draft_ms = self.cost.draft_ms(batch_size) if self._draft_ms is None else self._draft_ms
         return Allocation(
             num_nodes=tuple(num_nodes.tolist()),
-            expected_accepted=tuple(calibrated[:, :width].sum(axis=1).tolist()),
-            step_ms=draft_ms + float(self.cost.verify_ms(batch_size, batch_size * (widest + 1))),
+            expected_accepted=tuple(self.calibrator.calibrate(raw).sum(axis=1).tolist()),
+            step_ms=draft_ms
+            + self.overhead.drafted_ms
+            + float(self.cost.verify_ms(batch_size, batch_size * (widest + 1))),
         )
 
     def observe(
