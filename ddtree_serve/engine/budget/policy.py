@@ -20,8 +20,19 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
                                   is skipped
 The trees verified are best-first prefixes of the ones built (`TreeBatch.prefix`), so the
 choice reads drafter outputs only and verification stays lossless.
+
+Deciding time. A step's `plan` and `choose` time is the policy deciding, and the steps that
+decide pay most of it: a drafting streak's later steps (`settled`) a few hundredths of a
+millisecond, a decision or a probe of a neighbouring ceiling a few tenths (0.5 ms on this CPU's
+replay at batch 32, `bench/fake_device.py`). The gate learns each ceiling's measured over
+predicted step time (`step_residual.py`) without it: a neighbour is measured only at its
+probes, which decide, the choice mostly at its settled steps, so with it every neighbour read
+0.5 ms dearer than its own streak would run (fixed-8's steps took 5.8 ms at batch 32, the
+probes of ceiling 8 6.9 ms) and the gate held ceiling 16 where 8 wins by a tenth. The build's
+price learns the build stage without `choose` for the same reason.
 """
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -137,9 +148,19 @@ class AdaptiveBudget:
         # graphs cut it): a held streak's steps at that ceiling are `settled` at that width.
         self._weighed: tuple[int, int] | None = None
         self.settled = False  # this step takes the last weighing's width without weighing
+        # Host ms of this step's `plan` and `choose`, and of `choose` (module docstring: deciding time).
+        self._deciding_ms = 0.0
+        self._choose_ms = 0.0
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
+        started = time.perf_counter()
+        ceiling = self._plan(caps)
+        self._choose_ms = 0.0
+        self._deciding_ms = 1000.0 * (time.perf_counter() - started)
+        return ceiling
+
+    def _plan(self, caps: Sequence[int]) -> int:
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         self._catching_up = self._graph_capped = False
         if (
@@ -204,7 +225,9 @@ class AdaptiveBudget:
         self._draft_ms = draft_ms
 
     def record_build_ms(self, build_ms: float) -> None:
-        self._build_ms = build_ms
+        """The build stage's milliseconds, `choose` included: the build's price learns them
+        without the choice (module docstring: deciding time)."""
+        self._build_ms = max(build_ms - self._choose_ms, 0.0)
 
     def record_verify_ms(self, verify_ms: float) -> None:
         self._verify_ms = verify_ms
@@ -215,6 +238,21 @@ class AdaptiveBudget:
         caps: Sequence[int],
         captured: Sequence[int] | None = None,
         cut_rows: np.ndarray | None = None,
+    ) -> Allocation:
+        """Draft nodes per request (`_choose`); its host time is kept apart (module docstring:
+        deciding time)."""
+        started = time.perf_counter()
+        allocation = self._choose(trees, caps, captured, cut_rows)
+        self._choose_ms = 1000.0 * (time.perf_counter() - started)
+        self._deciding_ms += self._choose_ms
+        return allocation
+
+    def _choose(
+        self,
+        trees: TreeBatch,
+        caps: Sequence[int],
+        captured: Sequence[int] | None,
+        cut_rows: np.ndarray | None,
     ) -> Allocation:
         """Draft nodes per request for trees built at their ceiling (`caps[i]` at most).
 
@@ -413,7 +451,7 @@ class AdaptiveBudget:
             self.overhead.observe(self.last_step.drafted, step_ms - self._priced_ms)
             # Not when the drafter was lost, nor when captured graphs cut the ceiling's trees.
             if self.last_step.drafted == (self._ceiling > 0) and not self._graph_capped:
-                self.gate.record_step_ms(step_ms)
+                self.gate.record_step_ms(step_ms - self._deciding_ms)
         self._priced_ms = None
 
 
