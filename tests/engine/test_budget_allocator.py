@@ -556,3 +556,22 @@ def test_a_settled_step_takes_its_ceilings_last_weighed_width(monkeypatch):
             assert record["expected"] == pytest.approx(record["calibrated"][:width].sum())
         elif record["weighed"]:
             last_weighing = record
+
+
+def test_only_unsettled_steps_teach_the_cost_curve(monkeypatch):
+    """A settled step's forwards are its streak's: it leaves the cost curve no lesson (its wall
+    time still reaches the gate); every other step leaves one with its timings."""
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0)
+    lessons: dict[bool, list[bool]] = {True: [], False: []}
+    observe = policy.observe
+
+    def recording_observe(*args, **kwargs):
+        step = observe(*args, **kwargs)
+        lesson = policy._lesson
+        lessons[policy.settled].append(lesson is not None and lesson.verify_ms is not None)
+        return step
+
+    monkeypatch.setattr(policy, "observe", recording_observe)
+    records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 40, cost_per_node=0.0)
+    assert len(lessons[True]) == sum(r["settled"] for r in records) > 10 and not any(lessons[True])
+    assert len(lessons[False]) > 10 and all(lessons[False])

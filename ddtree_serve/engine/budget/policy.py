@@ -385,13 +385,21 @@ class AdaptiveBudget:
                 accepted_nodes=accepted_nodes,
                 whole_rows=self._whole_rows,
             )
-        self._lesson = _Lesson(
-            batch_size=batch_size,
-            target_tokens=batch_size * (padded_num_nodes or max(verified) + 1),  # the verify's forward
-            draft_ms=None if self._catching_up else self._draft_ms,
-            verify_ms=self._verify_ms,
-            nodes=nodes,
-            probe=self.probing,
+        # A settled step teaches nothing but its wall time (`record_step_ms`, the gate's ratio
+        # of its ceiling): its forwards' times are the streak's, which its other steps teach the
+        # cost curve, and on the H200's host at batch 1 the lesson was 0.1 ms of a 2.8 ms step
+        # that the launch-bound verify did not hide.
+        self._lesson = (
+            None
+            if self.settled and nodes is None
+            else _Lesson(
+                batch_size=batch_size,
+                target_tokens=batch_size * (padded_num_nodes or max(verified) + 1),  # the verify's forward
+                draft_ms=None if self._catching_up else self._draft_ms,
+                verify_ms=self._verify_ms,
+                nodes=nodes,
+                probe=self.probing,
+            )
         )
         self._priced_ms = None
         if not self._catching_up:
