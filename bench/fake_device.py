@@ -145,7 +145,8 @@ class FakeDrafter:
 
     Per position d of the block (1-based), the true token is at rank 0 with probability
     `hit * decay**d`, else at rank 1 or 2 (a fifth of the misses each), else absent; the rank-0
-    probability the drafter states is higher where it is right, as a real drafter's is."""
+    probability the drafter states is higher where it is right, as a real drafter's is, and the
+    log-probs descend along the ranks (`DraftOutput`)."""
 
     def __init__(self, cost: CostCurve, vocab_size: int, hit: float = 0.85, decay: float = 0.93) -> None:
         self.cost = cost
@@ -173,7 +174,8 @@ class FakeDrafter:
             0,
             np.where(u < p_hit + 0.2 * (1 - p_hit), 1, np.where(u < p_hit + 0.4 * (1 - p_hit), 2, -1)),
         )
-        top = np.where(rank == 0, 0.45 + 0.5 * v, 0.15 + 0.5 * v)  # stated rank-0 probability
+        # The stated rank-0 probability, above a third, so rank r > 0's (1 - top) / 2**r is below it.
+        top = np.where(rank == 0, 0.45 + 0.5 * v, 0.34 + 0.3 * v)
         ranks = np.arange(num_ranks)[None, None, :]
         probs = np.where(ranks == 0, top[..., None], (1 - top[..., None]) * 0.5**ranks)
         ids = (true[..., None] + 17 * (ranks + 1)) % (self.vocab_size - 1) + 1  # wrong tokens

@@ -512,15 +512,17 @@ class SpecEngine:
         drafted = len(draft.num_context_tokens)  # checked against the drafted requests in `_draft`
         captured = None
         keepable = self._keepable_depths(requests)
-        # A settled step builds no wider than the width it will verify (`settled_width`).
-        ceiling = policy.settled_width or policy.ceiling
-        caps = [
-            min(cap, ceiling) if i < drafted else 0
+        ceiling_caps = [
+            min(cap, policy.ceiling) if i < drafted else 0
             for i, cap in enumerate(self._adaptive_caps(requests, keepable))
         ]
+        # A settled step builds no wider than the width it will verify (`settled_width`); the
+        # graphs it may run are still its ceiling's (no capture at the width's own bucket).
+        width = policy.settled_width
+        caps = ceiling_caps if width is None else [min(cap, width) for cap in ceiling_caps]
         if self.graph_shapes is not None:
             max_start = max(r.num_cached_tokens for r in requests)
-            captured = self.graph_shapes.allowed_buckets(len(requests), max_start, max(caps))
+            captured = self.graph_shapes.allowed_buckets(len(requests), max_start, max(ceiling_caps))
         # No tree wider than the widest graph the step may run is built (`choose` cuts the caps
         # alike, and tells the gate when that cut its ceiling).
         widest = caps if captured is None else [min(cap, captured[-1] - 1) for cap in caps]

@@ -18,6 +18,7 @@ from ddtree_serve.engine.budget import (
 from ddtree_serve.engine.budget.allocator import allocate_padded_rows, ceiling_rates
 from ddtree_serve.engine.budget.policy import (
     CALIBRATION_STEPS,
+    DECIDING_MEAN_WEIGHT,
     EARLY_CALIBRATIONS,
     LEARNING_STEPS,
     NODE_LESSON_INTERVAL,
@@ -575,3 +576,55 @@ def test_only_unsettled_steps_teach_the_cost_curve(monkeypatch):
     records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 40, cost_per_node=0.0)
     assert len(lessons[True]) == sum(r["settled"] for r in records) > 10 and not any(lessons[True])
     assert len(lessons[False]) > 10 and all(lessons[False])
+
+
+def test_a_plain_step_after_a_settled_one_still_teaches_the_cost_curve(monkeypatch):
+    """With the drafter lost the engine skips `plan`: the plain steps that follow a settled one
+    are not settled steps, and each leaves its verify's timing for the cost curve."""
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0)
+    records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 12, cost_per_node=0.0)
+    while not policy.settled:  # end on a settled step
+        records += run_streak(policy, monkeypatch, 1, cost_per_node=0.0)
+    tree = TreeBatch.from_trees([build_ddtree(*random_draft(0, depth=6, k=8), 8, root_token=7)])
+    for _ in range(3):  # plain steps, no `plan`
+        policy.record_verify_ms(4.0)
+        policy.observe(tree.prefix([0]), [[]])
+        assert policy._lesson is not None and policy._lesson.verify_ms == 4.0
+        policy.record_step_ms(5.0)
+
+
+def test_a_decisions_own_host_time_is_not_charged_to_its_ceiling(monkeypatch):
+    """A step whose `plan` takes 20 ms of host time teaches the gate its wall time less its own
+    deciding time plus the recent mean of it (a tenth of this one's, mostly): its ceiling is
+    judged by what a step of it costs, not by the decision that chose it."""
+    import time
+
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0)
+    run_streak(policy, monkeypatch, EARLY_CALIBRATIONS, cost_per_node=0.0)
+    taught: list[float] = []
+    record = policy.gate.record_step_ms
+
+    def recording(step_ms: float) -> None:
+        taught.append(step_ms)
+        record(step_ms)
+
+    slow_plan = policy._plan
+
+    def slow(caps):
+        time.sleep(0.02)
+        return slow_plan(caps)
+
+    monkeypatch.setattr(policy.gate, "record_step_ms", recording)
+    monkeypatch.setattr(policy, "_plan", slow)
+    tree = TreeBatch.from_trees([build_ddtree(*random_draft(1, depth=6, k=8), 8, root_token=7)])
+    assert policy.plan([8]) > 0
+    policy.record_draft_ms(1.0)
+    allocation = policy.choose(tree, [8])
+    policy.record_verify_ms(4.0)
+    policy.observe(tree.prefix(allocation.num_nodes), [[1]])
+    deciding, mean_before = policy._deciding_ms, policy._mean_deciding_ms[True]
+    assert deciding >= 20.0
+    policy.record_step_ms(100.0)
+    mean = mean_before + DECIDING_MEAN_WEIGHT * (deciding - mean_before)
+    assert taught == [pytest.approx(100.0 - deciding + mean)]
+    assert taught[0] < 100.0 - 0.8 * deciding

@@ -25,11 +25,14 @@ Deciding time. A step's `plan` and `choose` time is the policy deciding, and the
 decide pay most of it: a drafting streak's later steps (`settled`) a few hundredths of a
 millisecond, a decision or a probe of a neighbouring ceiling a few tenths (0.5 ms on this CPU's
 replay at batch 32, `bench/fake_device.py`). The gate learns each ceiling's measured over
-predicted step time (`step_residual.py`) without it: a neighbour is measured only at its
-probes, which decide, the choice mostly at its settled steps, so with it every neighbour read
+predicted step time (`step_residual.py`) with the step's own deciding time replaced by the
+recent mean of its kind (drafted or plain): a neighbour is measured only at its probes, which
+decide, the choice mostly at its settled steps, so with each step's own every neighbour read
 0.5 ms dearer than its own streak would run (fixed-8's steps took 5.8 ms at batch 32, the
-probes of ceiling 8 6.9 ms) and the gate held ceiling 16 where 8 wins by a tenth. The build's
-price learns the build stage without `choose` for the same reason.
+probes of ceiling 8 6.9 ms) and the gate held ceiling 16 where 8 wins by a tenth; the mean
+keeps what deciding costs on average in every drafted ceiling's price alike, as the step
+overhead the predictions add holds it. The build's price learns the build stage without
+`choose` for the same reason.
 """
 
 import time
@@ -62,6 +65,9 @@ H200's host, where a whole step is 4 ms; the calibrator still sees one step in f
 nodes per update at batch 4, and probes (of drafting after plain steps, and of the neighbours
 of the drafting choice, whose trees are the gate's only news past its chosen width) and
 learning steps always teach."""
+
+DECIDING_MEAN_WEIGHT = 0.1
+"""EMA weight of the recent mean deciding time per kind of step (module docstring)."""
 
 LEARNING_STEPS = 4
 """Drafted steps the calibrator learns before the gate may judge drafting a loss: before them
@@ -151,6 +157,7 @@ class AdaptiveBudget:
         # Host ms of this step's `plan` and `choose`, and of `choose` (module docstring: deciding time).
         self._deciding_ms = 0.0
         self._choose_ms = 0.0
+        self._mean_deciding_ms = {False: 0.0, True: 0.0}  # plain, drafted (module docstring)
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
@@ -391,7 +398,7 @@ class AdaptiveBudget:
         # that the launch-bound verify did not hide.
         self._lesson = (
             None
-            if self.settled and nodes is None
+            if self.settled and drafted and nodes is None
             else _Lesson(
                 batch_size=batch_size,
                 target_tokens=batch_size * (padded_num_nodes or max(verified) + 1),  # the verify's forward
@@ -457,10 +464,15 @@ class AdaptiveBudget:
         """The observed step's wall time (after its prefills): teaches the step overhead."""
         if self.last_step is not None and self._priced_ms is not None:
             self.overhead.observe(self.last_step.drafted, step_ms - self._priced_ms)
+            drafted = self.last_step.drafted
+            mean = self._mean_deciding_ms[drafted]
+            mean += DECIDING_MEAN_WEIGHT * (self._deciding_ms - mean)
+            self._mean_deciding_ms[drafted] = mean
             # Not when the drafter was lost, nor when captured graphs cut the ceiling's trees.
-            if self.last_step.drafted == (self._ceiling > 0) and not self._graph_capped:
-                self.gate.record_step_ms(step_ms - self._deciding_ms)
+            if drafted == (self._ceiling > 0) and not self._graph_capped:
+                self.gate.record_step_ms(step_ms - self._deciding_ms + mean)
         self._priced_ms = None
+        self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing
 
 
 @dataclass(frozen=True)
