@@ -8,7 +8,8 @@ back holds the wait for the kernels before it): the engine's own stages, the ada
 calls (`plan`, `choose`, `learn`, `observe`) and the draft's copy to the host (`topk_on_host`,
 inside the draft stage under the adaptive policy, inside the build otherwise). For the adaptive
 engine the steps are also grouped by kind (prefill, plain, probes, decided anew, calibrator
-refit, streak; the fixed engines' by prefill or not) and its slowest steps listed by stage.
+refit, streak; the fixed engines' by prefill or not; steps after the first request finished
+apart, as "... finishing") and its slowest steps listed by stage.
 Milliseconds per step; a stage's figure includes the stages it calls (`_verify` holds
 `target.verify_and_commit`).
 
@@ -118,13 +119,17 @@ def run_requests(
     while engine.has_unfinished_requests():
         before = dict(clock.seconds) if records is not None else {}
         calibrations = _calibrations(engine)
+        # Once requests finish the batch is smaller and its steps cheaper: kept apart, so that
+        # kinds compare at the run's full batch (a settled step only runs there).
+        finishing = engine.num_running + engine.num_waiting < concurrency
         started = time.perf_counter()
         engine.step()
         ms = 1000.0 * (time.perf_counter() - started)
         steps += 1
         if records is not None:
             stages = {k: 1000.0 * (v - before.get(k, 0.0)) for k, v in clock.seconds.items()}
-            records.append({"ms": ms, "kind": step_kind(engine, stages, calibrations), "stages": stages})
+            kind = step_kind(engine, stages, calibrations) + (" finishing" if finishing else "")
+            records.append({"ms": ms, "kind": kind, "stages": stages})
     return steps
 
 
