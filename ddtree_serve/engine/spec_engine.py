@@ -529,8 +529,7 @@ class SpecEngine:
         roots = [_bonus(r) for r in requests]
         whole = build_host_tree_batch(draft.logp, draft.ids, widest[:drafted], roots[:drafted])
         whole = whole.with_root_only(roots[drafted:])
-        # No request ends within a draft block: nothing to cut (most steps; checked cheaply).
-        built = whole if min(keepable) >= draft.logp.shape[1] else whole.within_depth(keepable)
+        built = whole.within_depth(keepable)
         allocation = policy.choose(built, caps, captured, cut_rows=built.num_nodes < whole.num_nodes)
         trees = built.prefix(allocation.num_nodes)
         padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)

@@ -278,13 +278,13 @@ class AdaptiveBudget:
         the choice runs every step, so its work is a few array operations whatever the batch.
         It chooses from the models as the step before the last left them: the last one's
         lesson waits for this step's verify, whose device work hides it (`learn`)."""
+        widest = min(self._ceiling, max(caps, default=0))  # what the step's trees may reach
+        self._graph_capped = captured is not None and captured[-1] - 1 < widest
         if self.settled and self._weighed is not None and self.layout == "padded":
             settled = self._settled_choice(trees, caps, captured, self._weighed[1])
             if settled is not None:
                 self._allocation = settled
                 return settled
-        widest = min(self._ceiling, max(caps, default=0))  # what the step's trees may reach
-        self._graph_capped = captured is not None and captured[-1] - 1 < widest
         lengths = trees.num_nodes - 1
         width = int(lengths.max(initial=0))
         built = np.arange(width) < lengths[:, None]
@@ -294,8 +294,7 @@ class AdaptiveBudget:
         # What `observe` teaches the calibrator and the gate's recent curve (`learn`).
         self._raw_probs, self._built_lengths = raw, lengths
         self._whole_rows = None if cut_rows is None or not np.any(cut_rows) else ~np.asarray(cut_rows)
-        draft_ms = self.cost.draft_ms(trees.batch_size) if self._draft_ms is None else self._draft_ms
-        draft_ms += self.overhead.drafted_ms  # paid whatever the widths: it moves the best one
+        draft_ms = self._drafted_step_ms(trees.batch_size)
         if self.layout == "padded":
             caps_np = np.maximum(np.asarray(caps), 0)
             if captured is not None:  # the widest tree a captured graph holds
@@ -328,25 +327,28 @@ class AdaptiveBudget:
         Only these nodes are read: the step is as lean as the choice allows (it teaches no
         nodes, `observe`)."""
         lengths = trees.num_nodes - 1
-        widest_cap = min(caps, default=0) if captured is None else min(min(caps, default=0), captured[-1] - 1)
-        if widest_cap < int(lengths.max(initial=0)):
+        smallest_cap = min(caps, default=0)
+        if captured is not None:
+            smallest_cap = min(smallest_cap, captured[-1] - 1)
+        if smallest_cap < int(lengths.max(initial=0)):
             return None
         batch_size = len(lengths)
         num_nodes = np.minimum(lengths, width)
         widest = int(num_nodes.max(initial=0))
         raw = np.exp(trees.logws[:, 1 : 1 + widest]) * (np.arange(widest) < num_nodes[:, None])
         self._raw_probs, self._built_lengths, self._whole_rows = raw, num_nodes, None
-        self._graph_capped = captured is not None and captured[-1] - 1 < min(
-            self._ceiling, max(caps, default=0)
-        )
-        draft_ms = self.cost.draft_ms(batch_size) if self._draft_ms is None else self._draft_ms
         return Allocation(
             num_nodes=tuple(num_nodes.tolist()),
             expected_accepted=tuple(self.calibrator.calibrate(raw).sum(axis=1).tolist()),
-            step_ms=draft_ms
-            + self.overhead.drafted_ms
+            step_ms=self._drafted_step_ms(batch_size)
             + float(self.cost.verify_ms(batch_size, batch_size * (widest + 1))),
         )
+
+    def _drafted_step_ms(self, batch_size: int) -> float:
+        """What a drafted step costs whatever its widths: the drafter's call (this step's, else
+        predicted) and the step overhead, which moves the best width."""
+        draft_ms = self.cost.draft_ms(batch_size) if self._draft_ms is None else self._draft_ms
+        return draft_ms + self.overhead.drafted_ms
 
     def observe(
         self, trees: TreeBatch, accepted_nodes: Sequence[Sequence[int]], padded_num_nodes: int | None = None
