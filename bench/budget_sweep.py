@@ -271,7 +271,7 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
             for name, engine in configs:
                 logs[name] = StepLog()
                 graphs = _num_graphs(target, drafter)
-                rate = _tokens_per_s(engine, prompts, concurrency, args.max_tokens, str(run), logs[name])
+                rate = tokens_per_s(engine, prompts, concurrency, args.max_tokens, str(run), logs[name])
                 logs[name].graphs_captured = _num_graphs(target, drafter) - graphs
                 if run >= args.warmup_runs:
                     samples[name].append(rate)
@@ -280,7 +280,7 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
         rows.append(row)
         steps = {name: logs.pop(f"timed-{name}").summary() for name, _ in configs}
         diagnostics.append({"concurrency": concurrency, "steps": steps})
-        print(_row_line(row), flush=True)
+        print(row_line(row), flush=True)
         print(_steps_line(steps), flush=True)
     return rows, recorder.steps, diagnostics
 
@@ -296,7 +296,7 @@ def _engine(config: EngineConfig, policy: str, target, drafter, tokenizer) -> Sp
     return SpecEngine(_settings(config, policy, None), target, drafter, tokenizer)
 
 
-def _tokens_per_s(
+def tokens_per_s(
     engine: SpecEngine,
     prompts: list[list[int]],
     concurrency: int,
@@ -388,7 +388,7 @@ def run_simulation(args: argparse.Namespace, traces: list[TraceStep]) -> list[di
                 steps, _simulation_cost(args), max(budgets), build, BuildCost(0.0, 0.0, 0.0)
             )
         rows.append(row)
-        print(_row_line(row), flush=True)
+        print(row_line(row), flush=True)
     return rows
 
 
@@ -473,7 +473,7 @@ def _accepted_within(step: TraceStep, budget: int) -> int:
 # ----------------------------------------------------------------------------- report
 
 
-def _row_line(row: dict) -> str:
+def row_line(row: dict) -> str:
     return f"concurrency {row['concurrency']}: " + ", ".join(
         f"{k} {v:.1f}" for k, v in row.items() if k != "concurrency"
     )

@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from budget_sweep import StepLog, markdown_table, row_line, tokens_per_s  # the sweep's own run and table
+
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import CostCurve, load_cost_curve
 from ddtree_serve.engine.builder import bundled_target_dir
@@ -39,7 +41,6 @@ from ddtree_serve.engine.interfaces import (
     VerifyInput,
     VerifyOutput,
 )
-from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.models import load_tokenizer
 from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS
@@ -218,16 +219,6 @@ def engines(args: argparse.Namespace, cost_path: str, tokenizer) -> dict[str, Sp
     return made
 
 
-def tokens_per_s(engine: SpecEngine, concurrency: int, max_tokens: int, tag: str) -> float:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i in range(concurrency):
-        engine.add_request(f"{tag}-{i}", [1 + (7 * i + j) % 50 for j in range(24)], params)
-    started, produced = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        produced += sum(out.num_new_tokens for out in engine.step())
-    return produced / (time.perf_counter() - started)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -250,24 +241,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(bundled_target_dir())
     made = engines(args, args.cost, tokenizer)
-    names = list(made)
-    print(f"### Fake device ({args.cost}), {args.max_tokens} new tokens: tokens/s\n")
-    print("| concurrency | " + " | ".join(names) + " | adaptive / best | adaptive / ar |")
-    print("|---" * (len(names) + 3) + "|")
+    # Request i's prompt, the same every run; each request decodes exactly --max-tokens.
+    prompts = [[1 + (7 * i + j) % 50 for j in range(24)] for i in range(max(args.concurrency))]
+    rows = []
     for concurrency in args.concurrency:
-        rates: dict[str, list[float]] = {name: [] for name in names}
+        rates: dict[str, list[float]] = {name: [] for name in made}
         for run in range(args.warmup_runs + args.repeats):
-            for name in names:  # round-robin: drift falls on all alike
-                rate = tokens_per_s(made[name], concurrency, args.max_tokens, f"{concurrency}-{run}")
+            for name, engine in made.items():  # round-robin: drift falls on all alike
+                tag = f"{concurrency}-{run}"
+                rate = tokens_per_s(engine, prompts, concurrency, args.max_tokens, tag, StepLog())
                 if run >= args.warmup_runs:
                     rates[name].append(rate)
-        row = {name: statistics.median(values) for name, values in rates.items()}
-        best = max(value for name, value in row.items() if name != "adaptive")
-        cells = " | ".join(f"{row[name]:.0f}" for name in names)
-        print(
-            f"| {concurrency} | {cells} | {row['adaptive'] / best:.2f} | {row['adaptive'] / row['ar']:.2f} |",
-            flush=True,
-        )
+        rows.append({"concurrency": concurrency, **{n: statistics.median(r) for n, r in rates.items()}})
+        print(row_line(rows[-1]), flush=True)
+    print(markdown_table(rows, f"Fake device ({args.cost}), {args.max_tokens} new tokens"))
 
 
 if __name__ == "__main__":

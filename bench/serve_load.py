@@ -194,13 +194,14 @@ async def run_all(
                 for config in configs:
                     await asyncio.to_thread(deploy, config)
                     url = f"http://127.0.0.1:{config.http.port}/{config.app_name}"
-                    stub = DDTreeServeStub(channel)
+                    direct_channel = None
                     if args.direct_ingress:  # the ingress replica's own servers, not the proxy
                         direct = await asyncio.to_thread(direct_ingress_ports, config.app_name)
                         if set(direct) != {"http", "grpc"}:
                             raise RuntimeError("no direct ingress: run with --serve-throughput-optimized")
                         url = f"http://127.0.0.1:{direct['http']}/{config.app_name}"
-                        stub = DDTreeServeStub(grpc.aio.insecure_channel(f"127.0.0.1:{direct['grpc']}"))
+                        direct_channel = grpc.aio.insecure_channel(f"127.0.0.1:{direct['grpc']}")
+                    stub = DDTreeServeStub(direct_channel or channel)
                     paths = {
                         f"http {config.app_name}": http_request(client, url, args.max_tokens),
                         f"grpc {config.app_name}": grpc_request(stub, args.max_tokens, config.app_name),
@@ -216,6 +217,8 @@ async def run_all(
                             sweeps.setdefault((path, concurrency), []).append(
                                 LevelResult(path, concurrency, timings, wall_s)
                             )
+                    if direct_channel is not None:
+                        await direct_channel.close()
                     await asyncio.to_thread(undeploy, config)
     finally:
         llm.shutdown()
