@@ -15,12 +15,12 @@ replays them through each hop alone, with echo actors that do no model work:
   deployment forwarding a handle stream, and through the HTTP proxy (SSE).
 
 The last table times whole engine steps on the real models: in process, over actor calls and
-over the compiled graph transport (when it is importable), rounds interleaved so the machine's
+over both step graph transports (Ray's compiled graph and the workers' sockets), rounds interleaved so the machine's
 load hits every configuration alike. For the serial transports it also splits each seam call
 into its parts from the workers' call traces (`serve/call_trace.py`) set beside the
 Coordinator's stamps (one clock for the host's processes): the hop to the worker, the worker's
 unwiring, its model work, its wiring (which waits for the device), and the hop back (for the
-chained compiled graph's verify, the drafter's chained draft is part of the hop back).
+chained step graphs' verify, the drafter's chained draft is part of the hop back).
 
     python bench/hop_breakdown.py --batch-sizes 1 4 16 --repeats 200
     python bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8   # on the GPU machine
@@ -391,14 +391,17 @@ def engine_step_table(
     )
     settings = engine_config.to_settings()
     tokenizer = load_tokenizer(target_dir(engine_config))
-    # (name, placement, compiled graph, overlap, chained drafts)
+    # (name, placement, step graph transport or None, overlap, chained drafts)
     configurations = [
-        ("in_process", "in_process", False, False, False),
-        ("actor_calls", "actors", False, False, False),
-        ("actor_calls+overlap", "actors", False, True, False),
-        ("compiled_graph", "actors", True, False, False),
-        ("compiled_graph+chained", "actors", True, False, True),
-        ("compiled_graph+overlap", "actors", True, True, False),
+        ("in_process", "in_process", None, False, False),
+        ("actor_calls", "actors", None, False, False),
+        ("actor_calls+overlap", "actors", None, True, False),
+        ("compiled_graph", "actors", "compiled_graph", False, False),
+        ("compiled_graph+chained", "actors", "compiled_graph", False, True),
+        ("compiled_graph+overlap", "actors", "compiled_graph", True, False),
+        ("sockets", "actors", "sockets", False, False),
+        ("sockets+chained", "actors", "sockets", False, True),
+        ("sockets+overlap", "actors", "sockets", True, False),
     ]
     workers = {}
     # On one GPU every configuration's drafter and target share it (a tenth each).
@@ -414,10 +417,10 @@ def engine_step_table(
     stage_ms: dict[str, dict[str, float]] = {name: {} for name, *_ in configurations}
     parts_ms: dict[str, dict[str, float]] = {}
     for round_index in range(rounds):
-        for name, placement, compiled, overlap, chained in configurations:
+        for name, placement, graph, overlap, chained in configurations:
             target, drafter = workers[name]
-            if compiled:
-                target, drafter = graph_workers(target, drafter, overlap)  # type: ignore[arg-type]
+            if graph is not None:
+                target, drafter = graph_workers(target, drafter, overlap, graph)  # type: ignore[arg-type]
             traced = placement == "actors" and not overlap
             if traced:
                 ray.get([w.actor.trace_calls.remote(True) for w in (target, drafter)])  # type: ignore[union-attr]
@@ -456,7 +459,7 @@ def engine_step_table(
             for i in range(batch_size):
                 engine.abort_request(f"{round_index}-{i}")
             engine.step()
-            if compiled:
+            if graph is not None:
                 target.close()  # type: ignore[union-attr]
     for target, drafter in workers.values():
         for worker in (target, drafter):

@@ -269,7 +269,7 @@ def stop_application(ray_dir: str) -> None:
 
 def _app_name(transport: str, overlap: bool, chained: bool, interval_ms: float, features: str) -> str:
     name = f"{transport}-{'overlap' if overlap else 'serial'}"
-    if chained and transport == "compiled_graph" and not overlap:
+    if chained and transport != "actor_calls" and not overlap:
         name += "-chained"
     if features != "auto":
         name += f"-{features}"
@@ -309,7 +309,7 @@ def main() -> None:
         "--transport",
         nargs="+",
         default=["actor_calls"],
-        choices=["actor_calls", "compiled_graph"],
+        choices=["actor_calls", "compiled_graph", "sockets"],
         help="Served transports to compare (placement.transport).",
     )
     for flag, help_text in (
@@ -368,7 +368,7 @@ def main() -> None:
         for c in args.chain_drafts
         for i in intervals
         for f in args.features
-        if c == "off" or (t == "compiled_graph" and o == "off")  # chaining changes nothing elsewhere
+        if c == "off" or (t != "actor_calls" and o == "off")  # chaining changes nothing elsewhere
     ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": free_port()}, "grpc": {"port": free_port()}}

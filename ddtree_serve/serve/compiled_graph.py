@@ -1,4 +1,5 @@
-"""The per-step actor hops as one Ray Compiled Graph (`placement.transport: compiled_graph`).
+"""The per-step actor hops as one step graph: a Ray Compiled Graph (`placement.transport:
+compiled_graph`) or the same graph over the group's own sockets (`sockets`, `step_sockets.py`).
 
 A normal actor call costs a task submission, a scheduling round and an object-store result
 per call; the step makes two or three of them. A compiled graph is set up once over the two
@@ -38,7 +39,7 @@ graph (`discard` drops the old one).
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import ray
 import torch
@@ -58,6 +59,7 @@ from ddtree_serve.engine.interfaces import (
     VerifyOutput,
 )
 from ddtree_serve.serve.graph_calls import DrafterCall, GraphContext, TargetCall, TargetMethod
+from ddtree_serve.serve.step_sockets import SocketGraph, StepChannelError
 from ddtree_serve.serve.wire import from_wire, to_wire
 from ddtree_serve.serve.workers import RayDrafter, RayTarget, TargetRestartedError, target_lost
 
@@ -67,8 +69,9 @@ ResultT = TypeVar("ResultT")
 
 # Longest one execution may take (a long prompt's prefill on a big model); Ray's default is 10 s.
 _GET_TIMEOUT_S = 600.0
-# What a compiled graph raises when an actor in it is gone.
-_LOST = (RayChannelError, RayActorError)
+# What a step graph raises when an actor in it is gone.
+_LOST = (RayChannelError, RayActorError, StepChannelError)
+GraphTransport = Literal["compiled_graph", "sockets"]
 
 
 @dataclasses.dataclass
@@ -112,13 +115,21 @@ class StepGraph:
     open call), or any `result()`, runs it first. Not thread-safe: the engine thread drives it.
     """
 
-    def __init__(self, target: RayTarget, drafter: RayDrafter, overlap: bool) -> None:
+    def __init__(
+        self,
+        target: RayTarget,
+        drafter: RayDrafter,
+        overlap: bool,
+        transport: GraphTransport = "compiled_graph",
+    ) -> None:
         """`overlap`: the graph's shape for the overlapped step (the drafter's call does not wait
         for the target's); else the serial shape. An overlapped engine runs correctly on the
-        serial shape (its two calls then do not run at once); chained drafts need the serial one."""
+        serial shape (its two calls then do not run at once); chained drafts need the serial one.
+        `transport`: Ray's compiled graph, or the same graph over the workers' sockets."""
         self._target = target
         self._drafter = drafter
         self._overlap = overlap
+        self.transport = transport
         self._open = _Execution()
         self._call_ids = iter(range(1 << 62))
         self._target_releases: list[int] = []
@@ -136,6 +147,9 @@ class StepGraph:
 
     def _compile(self) -> None:
         drafter, target = self._drafter.actor, self._target.actor
+        if self.transport == "sockets":
+            self._graph = SocketGraph(target, drafter, self._overlap)
+            return
         with InputNode() as step:
             if self._overlap:
                 draft = drafter.graph_draft.bind(step[0])
@@ -150,7 +164,7 @@ class StepGraph:
         """Compile again over the (restarted) drafter; its context starts empty."""
         self._drafter_releases.clear()
         self._compile()
-        logger.warning("compiled step graph rebuilt over the restarted drafter")
+        logger.warning("step graph (%s) rebuilt over the restarted drafter", self.transport)
 
     def discard(self) -> None:
         """Tear the graph down without running what is queued: its target restarted, and the
@@ -261,7 +275,7 @@ class StepGraph:
 
     def _break(self, execution: _Execution, error: Exception) -> None:
         """An actor of the graph is gone: tear it down, tell which one, save the target's call."""
-        logger.warning("compiled step graph broke (%s); tearing it down", type(error).__name__)
+        logger.warning("step graph (%s) broke (%s); tearing it down", self.transport, type(error).__name__)
         _teardown(self._graph)
         self._graph = None
         self._drafter_releases.clear()
@@ -319,6 +333,10 @@ class GraphTarget:
     @property
     def actor(self) -> Any:
         return self._target.actor
+
+    @property
+    def transport(self) -> GraphTransport:
+        return self._graph.transport
 
     async def check_alive(self) -> None:
         await self._target.check_alive()
@@ -425,7 +443,9 @@ def _teardown(graph: Any) -> None:
         logger.exception("teardown of the step graph failed")
 
 
-def graph_workers(target: RayTarget, drafter: RayDrafter, overlap: bool) -> tuple[GraphTarget, GraphDrafter]:
-    """The seam over one compiled step graph of the group's two actors (`overlap`: its shape)."""
-    graph = StepGraph(target, drafter, overlap)
+def graph_workers(
+    target: RayTarget, drafter: RayDrafter, overlap: bool, transport: GraphTransport = "compiled_graph"
+) -> tuple[GraphTarget, GraphDrafter]:
+    """The seam over one step graph of the group's two actors (`overlap`: its shape)."""
+    graph = StepGraph(target, drafter, overlap, transport)
     return GraphTarget(graph, target), GraphDrafter(graph, drafter)

@@ -83,19 +83,23 @@ class PlacementConfig(_Strict):
         "speculation group); 'in_process': both models inside the Coordinator replica (debugging, "
         "Serve's local testing mode).",
     )
-    transport: Literal["actor_calls", "compiled_graph"] = Field(
+    transport: Literal["actor_calls", "compiled_graph", "sockets"] = Field(
         default="actor_calls",
         description="How the Coordinator reaches the worker actors each step: 'actor_calls' (a Ray "
-        "actor call per seam call, features by ObjectRef) or 'compiled_graph' (one Ray Compiled "
+        "actor call per seam call, features by ObjectRef), 'compiled_graph' (one Ray Compiled "
         "Graph over both actors: shared-memory channels, features target -> drafter inside the "
-        "graph, releases batched into the next call). Needs a drafter (not mode 'ar').",
+        "graph, releases batched into the next call) or 'sockets' (the same step graph over TCP "
+        "connections the workers open once: Coordinator -> target, Coordinator -> drafter, "
+        "target -> drafter; Ray still places, restarts and health-checks the actors). The two "
+        "graphs need a drafter (not mode 'ar').",
     )
     features: Literal["auto", "device", "host"] = Field(
         default="auto",
         description="How the target's context features reach the drafter actor: 'device' leaves them "
         "on the GPU behind a CUDA IPC handle when both models lie on the same physical GPU "
         "(fractional num_gpus; a lone target, not a tensor-parallel group); 'auto' does so under "
-        "the compiled graph for a call's features of 1 MiB or more and sends smaller ones, and "
+        "a step graph (transport 'compiled_graph' or 'sockets') for a call's features of 1 MiB "
+        "or more and sends smaller ones, and "
         "every call under actor calls (where each handle costs the drafter a call of its own and "
         "one sent while it restarts is never freed), through host memory; 'host' always goes "
         "through host memory. "
@@ -110,7 +114,8 @@ class PlacementConfig(_Strict):
     )
     chain_drafts: bool = Field(
         default=False,
-        description="Under transport 'compiled_graph' without overlap and with the fixed budget "
+        description="Under transport 'compiled_graph' or 'sockets' without overlap and with the "
+        "fixed budget "
         "policy: each verify execution also runs the drafter's next draft of the same requests "
         "from the verdict (bonus tokens and features stay inside the graph), so a step is one "
         "round trip to the actors instead of two. Same tokens as without; ignored elsewhere. Off "
@@ -420,11 +425,14 @@ class ServeConfig(_Strict):
         placement = self.placement
         if placement.tensor_parallel_size > 1 and (placement.transport != "actor_calls" or placement.overlap):
             raise ValueError(
-                "placement.transport 'compiled_graph' and placement.overlap serve one target actor: "
+                "placement.transport 'compiled_graph' / 'sockets' and placement.overlap serve one "
+                "target actor: "
                 "use them with tensor_parallel_size 1"
             )
-        if placement.transport == "compiled_graph" and self.engine.mode == "ar":
-            raise ValueError("placement.transport 'compiled_graph' needs a drafter (mode 'ar' has none)")
+        if placement.transport != "actor_calls" and self.engine.mode == "ar":
+            raise ValueError(
+                f"placement.transport '{placement.transport}' needs a drafter (mode 'ar' has none)"
+            )
         if placement.overlap:
             if placement.workers != "actors":
                 raise ValueError("placement.overlap needs workers 'actors' (two processes to overlap)")

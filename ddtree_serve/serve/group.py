@@ -5,7 +5,8 @@ itself (Serve's rule), then the drafter, then the target group (one bundle, or o
 tensor-parallel rank: `target_group.py`); mode "ar" has no drafter and therefore no drafter
 bundle, so the target moves up to bundle 1. The workers are Ray actors in those bundles, or
 in-process models inside the replica (placement.workers = "in_process");
-`placement.transport` picks how the Coordinator reaches the actors (`compiled_graph.py`), and
+`placement.transport` picks how the Coordinator reaches the actors (`compiled_graph.py`, over
+Ray's channels or the group's own sockets: `step_sockets.py`), and
 `placement.features` whether context features may stay on a GPU that both actors share
 (`device_features.py`; decided once both workers said where their models lie).
 
@@ -118,20 +119,21 @@ def _start_actors(
         return target, None
     drafter = RayDrafter(drafter_actor)
     _deliver_features(config, target, drafter)
-    if placement.transport == "compiled_graph":
-        return graph_workers(target, drafter, placement.overlap)
+    if placement.transport != "actor_calls":
+        return graph_workers(target, drafter, placement.overlap, placement.transport)
     return target, drafter
 
 
 def _deliver_features(config: ServeConfig, target: RayTarget, drafter: RayDrafter) -> None:
     """Features by CUDA IPC handle when both models lie on one GPU and the config allows it.
 
-    Under the compiled graph the drafter opens each delivery in its execution. Under actor calls
-    the target's adapter has the drafter take each call's handle by a call of its own, one more
-    per step, and a handle sent while the drafter restarts is never opened (its block stays with
-    the target's process): only `device` asks for that; `auto` keeps actor calls on the host path."""
+    Under a step graph (Ray's or the sockets') the drafter opens each delivery in its execution.
+    Under actor calls the target's adapter has the drafter take each call's handle by a call of
+    its own, one more per step, and a handle sent while the drafter restarts is never opened (its
+    block stays with the target's process): only `device` asks for that; `auto` keeps actor calls
+    on the host path."""
     features = config.placement.features
-    graph = config.placement.transport == "compiled_graph"
+    graph = config.placement.transport != "actor_calls"
     if features == "host" or (features == "auto" and not graph):
         return
     if not same_gpu(target.device_uuid, drafter.device_uuid):
@@ -167,6 +169,6 @@ def reconnect_workers(
     drafter = RayDrafter(drafter_actor)
     drafter.release_all(config.engine.max_num_seqs)
     _deliver_features(config, target, drafter)
-    if config.placement.transport == "compiled_graph":
-        return graph_workers(target, drafter, config.placement.overlap)
+    if config.placement.transport != "actor_calls":
+        return graph_workers(target, drafter, config.placement.overlap, config.placement.transport)
     return target, drafter

@@ -33,6 +33,7 @@ cannot run on the new process's empty slots.
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -60,6 +61,7 @@ from ddtree_serve.engine.interfaces import (
 from ddtree_serve.serve.call_trace import CallStamps, CallTrace, mark
 from ddtree_serve.serve.device_features import DeviceFeatures, TakenFeatures, cuda_device_uuid, wire_features
 from ddtree_serve.serve.graph_calls import ContextDelivery, DrafterCall, TargetCall
+from ddtree_serve.serve.step_sockets import ChannelAddress, DrafterChannelServer, TargetChannelServer
 from ddtree_serve.serve.wire import from_wire, to_wire
 
 TargetFactory = Callable[[], Target]
@@ -99,6 +101,9 @@ class TargetWorker:
         # features below `_device_min_bytes` go through host memory anyway.
         self._features_on_device = False
         self._device_min_bytes = 0
+        # Transport 'sockets': the thread serving graph calls, and the lock it holds per call.
+        self._model_lock = threading.Lock()
+        self._step_channel: TargetChannelServer | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -216,10 +221,25 @@ class TargetWorker:
         execution that broke), else run now, without features.
 
         Called with the graph torn down, so no graph call runs at the same time."""
-        last_id, output = self._last_graph_call
-        if last_id == call.call_id:
-            return output
-        return self._graph_call(call, deliver=False)[0]
+        with self._model_lock:  # a socket graph's call still running finishes first
+            last_id, output = self._last_graph_call
+            if last_id == call.call_id:
+                return output
+            return self._graph_call(call, deliver=False)[0]
+
+    def open_step_channel(self, drafter_address: ChannelAddress | None) -> ChannelAddress:
+        """Transport 'sockets': serve graph calls from the Coordinator that connects to the
+        address returned, sending deliveries to the drafter at `drafter_address` (a previous
+        channel closes first)."""
+        self.close_step_channel()
+        self._step_channel = TargetChannelServer(self._graph_call, self._model_lock, drafter_address)
+        return self._step_channel.address
+
+    def close_step_channel(self) -> None:
+        """End the socket graph's channel once its call in progress returned (`StepGraph` teardown)."""
+        if self._step_channel is not None:
+            self._step_channel.close()
+            self._step_channel = None
 
     def _delivery(
         self, slots: Any, context: ContextHandle, bonus_tokens: list[int] | None = None
@@ -239,6 +259,9 @@ class DrafterWorker:
         # Actor calls with features on the device: the copies taken, until drafts use them.
         self._taken = TakenFeatures()
         self._trace = CallTrace()
+        # Transport 'sockets': the thread serving graph calls, and the lock it holds per call.
+        self._model_lock = threading.Lock()
+        self._step_channel: DrafterChannelServer | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -298,6 +321,21 @@ class DrafterWorker:
         self._taken.release(slot)
 
     # -------------------------------------------------------------- compiled step graph side
+
+    def open_step_channel(self, overlap: bool) -> ChannelAddress:
+        """Transport 'sockets': serve the graph's drafter nodes (`overlap`: its shape) to the
+        Coordinator and the target that connect to the address returned."""
+        self.close_step_channel()
+        self._step_channel = DrafterChannelServer(
+            self.graph_draft, self.graph_take_context, self._model_lock, overlap
+        )
+        return self._step_channel.address
+
+    def close_step_channel(self) -> None:
+        """End the socket graph's channel once its call in progress returned."""
+        if self._step_channel is not None:
+            self._step_channel.close()
+            self._step_channel = None
 
     def graph_draft(self, call: DrafterCall | None) -> Wired:
         """One graph execution's drafter call: releases, then the draft from delivered features."""

@@ -3,8 +3,9 @@
 Every configuration drives one `SpecEngine` over real `TargetWorker` / `DrafterWorker` actors
 on the bundled pair and must give the in-process engine's tokens exactly: greedy requests
 joining and leaving a mixed batch, streams cancelled in either micro-batch, and seeded sampling
-whichever micro-batch a request lands in. The compiled graph without overlap runs with and
-without chained drafts (each step's next draft in its verify's execution).
+whichever micro-batch a request lands in. Both step graphs (Ray's compiled graph and the same
+graph over the workers' sockets) run serial with and without chained drafts (each step's next
+draft in its verify's execution) and overlapped.
 """
 
 import shutil
@@ -42,6 +43,9 @@ CONFIGS = [
     ("compiled_graph", False, False),
     ("compiled_graph", False, True),
     ("compiled_graph", True, False),
+    ("sockets", False, False),
+    ("sockets", False, True),
+    ("sockets", True, False),
     ("actor_calls", True, False),
 ]
 
@@ -63,7 +67,8 @@ def served_engine(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator
     placement = {"transport": transport, "overlap": overlap, "chain_drafts": chained}
     config = ServeConfig(engine=ENGINE, placement=placement)  # type: ignore[arg-type]
     target, drafter = start_workers(config)
-    assert isinstance(target, GraphTarget) == (transport == "compiled_graph")
+    assert isinstance(target, GraphTarget) == (transport != "actor_calls")
+    assert not isinstance(target, GraphTarget) or target.transport == transport
     tokenizer = load_tokenizer(target_dir(ENGINE))
     settings = ENGINE.to_settings()
     engine = SpecEngine(settings, target, drafter, tokenizer, overlap=overlap, chain_drafts=chained)
@@ -206,7 +211,7 @@ def test_chained_drafts_are_refused_over_the_overlapped_graph(served_engine: Spe
     """Over the overlap-shaped graph a chained draft would never run: asked for, it fails loudly."""
     target = served_engine.target
     if not (isinstance(target, GraphTarget) and served_engine.overlap):
-        pytest.skip("only the overlap-shaped compiled graph")
+        pytest.skip("only the overlap-shaped step graph")
     with pytest.raises(ValueError, match="serial graph"):
         target.submit_verify_then_draft(SimpleNamespace(return_context=True), 8)  # type: ignore[arg-type]
 
@@ -270,7 +275,7 @@ def test_a_killed_target_restarts_in_place_under_a_new_engine(
     served_engine: SpecEngine, local_engine: SpecEngine
 ) -> None:
     """Last in the module: the lost engine's requests fail retriably; Ray restarts the target in
-    its place and a new engine over the same two actors (a new graph under compiled_graph)
+    its place and a new engine over the same two actors (a new graph under either step graph)
     decodes every slot, those the lost requests held included, exactly as in process."""
     target, drafter = served_engine.target, served_engine.drafter
     assert drafter is not None
@@ -287,7 +292,7 @@ def test_a_killed_target_restarts_in_place_under_a_new_engine(
     RayTarget(target.actor)  # type: ignore[attr-defined]  # waits for Ray's restart
     with pytest.raises(TargetRestartedError):  # a call of the lost engine cannot reach its empty slots
         ray.get(target.actor.encode_context.remote(None))  # type: ignore[attr-defined]
-    transport = "compiled_graph" if isinstance(target, GraphTarget) else "actor_calls"
+    transport = target.transport if isinstance(target, GraphTarget) else "actor_calls"
     config = ServeConfig(engine=ENGINE, placement={"transport": transport, "overlap": served_engine.overlap})  # type: ignore[arg-type]
     new_target, new_drafter = reconnect_workers(config, target.actor, drafter.actor)  # type: ignore[attr-defined]
     engine = SpecEngine(
