@@ -5,8 +5,8 @@
 # serving stack into .gpu-wheels/site.tar.xz, which travels with the call (carry it). Each stage
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
-# graph chain overlap direct steps ttft ttft_direct fake features features_test (default: nvidia budget
-# hops serve).
+# graph chain overlap direct sockets steps ttft ttft_direct ttft_sockets fake features
+# features_test (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
 set -uo pipefail
@@ -47,6 +47,11 @@ for stage in "${STAGES[@]}"; do
     direct) run direct 420 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
       --transport actor_calls compiled_graph --overlap off on --concurrency 1 4 16 64 \
       --serve-throughput-optimized --direct-ingress ;;
+    sockets) run sockets 420 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --transport sockets --overlap off on --chain-drafts off on --concurrency 1 4 16 64 \
+      --serve-throughput-optimized --direct-ingress ;;
+    ttft_sockets) run ttft_sockets 120 python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 \
+      --transport sockets --serve-throughput-optimized --direct-ingress ;;
     ttft_direct) run ttft_direct 120 python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 \
       --transport compiled_graph --serve-throughput-optimized --direct-ingress ;;
     ttft) run ttft 240 bash -c "python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 --transport actor_calls \

@@ -198,9 +198,13 @@ class _ChannelServer:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Wait for the call in progress, then end the channel: nothing queued runs after."""
+        """Wait for the call in progress, then end the channel: nothing queued runs after.
+
+        The flag goes up before the lock is taken: the thread, checking it under the lock before
+        each call, may win the lock again after its call (locks are not fair) but runs nothing."""
+        self._closed = True
         with self._lock:
-            self._closed = True
+            pass
         for sock in (*self._peers, self._listener.socket):
             with contextlib.suppress(OSError):  # not connected, or already closed
                 sock.shutdown(socket.SHUT_RDWR)
@@ -327,7 +331,7 @@ class DrafterChannelServer(_ChannelServer):
                 return False
             ok, delivery = self._deliveries.pop(message.execution) if message.takes_delivery else (True, None)
             if self._overlap:
-                if ok:
+                if ok and message.takes_delivery:
                     self._reply(message, False, lambda: self._take_context(delivery, None))
             elif not ok:  # the target call failed: so does the drafter's node after it
                 if message.wants_reply:

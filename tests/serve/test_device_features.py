@@ -70,6 +70,7 @@ class _Adapter(SimpleNamespace):
         ("device", "actor_calls", "GPU-a", "drafter", 0),
         ("auto", "compiled_graph", "GPU-a", None, DEVICE_FEATURES_MIN_BYTES),  # the graph delivers
         ("device", "compiled_graph", "GPU-a", None, 0),
+        ("auto", "sockets", "GPU-a", None, DEVICE_FEATURES_MIN_BYTES),  # the socket graph too
         ("auto", "compiled_graph", "GPU-b", "host", 0),  # two GPUs: no device path is built
         ("device", "actor_calls", "GPU-b", "host", 0),
         ("auto", "actor_calls", None, "host", 0),
@@ -252,7 +253,7 @@ def _run_greedy(engine: SpecEngine, lengths: list[int]) -> dict[str, list[int]]:
 
 @cuda_only
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["actor_calls", "compiled_graph"])
+@pytest.mark.parametrize("transport", ["actor_calls", "compiled_graph", "sockets"])
 def test_greedy_through_a_group_on_one_gpu_with_features_by_handle_equals_in_process(
     gpu_ray_cluster: None, transport: str
 ) -> None:

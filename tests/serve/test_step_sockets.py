@@ -1,0 +1,170 @@
+"""The socket step graph's pieces without Ray actors: framing, the token, and the order in which
+each worker's server runs what reaches it (`tests/serve/test_transport.py` runs the whole graph
+on real actors)."""
+
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree_serve.serve.graph_calls import ContextDelivery, DrafterCall, TargetCall
+from ddtree_serve.serve.step_sockets import (
+    ChannelAddress,
+    DrafterChannelServer,
+    TargetChannelServer,
+    connect,
+    recv_message,
+    send_message,
+)
+from ddtree_serve.serve.wire import from_wire, to_wire
+
+COORDINATOR, TARGET = b"C", b"T"
+
+
+def test_a_message_with_tensors_and_large_arrays_arrives_whole() -> None:
+    """Arrays travel out of band in the same `sendmsg`; a payload larger than the socket's
+    buffers arrives whole (a reader thread drains it meanwhile)."""
+    sender, receiver = socket.socketpair()
+    tensors = [torch.randn(3, 7, dtype=torch.bfloat16), torch.arange(12).reshape(3, 4)]
+    big = np.random.default_rng(0).integers(0, 255, size=40 << 20, dtype=np.uint8)
+    value = (to_wire(tensors), {"big": big, "empty": np.zeros(0, np.float32)}, "text", None)
+    received: list[Any] = []
+    reader = threading.Thread(target=lambda: received.append(recv_message(receiver)))
+    reader.start()
+    send_message(sender, value)
+    reader.join(timeout=30)
+    wired, arrays, text, nothing = received[0]
+    assert all(torch.equal(a, b) for a, b in zip(tensors, from_wire(wired), strict=True))
+    assert np.array_equal(arrays["big"], big) and arrays["empty"].shape == (0,)
+    assert (text, nothing) == ("text", None)
+    sender.close()
+    with pytest.raises(EOFError):
+        recv_message(receiver)
+
+
+def _drafter_server(overlap: bool) -> tuple[DrafterChannelServer, list[Any]]:
+    """A drafter server whose nodes record what they ran, in order."""
+    ran: list[Any] = []
+    lock = threading.Lock()
+
+    def draft(call: DrafterCall | None) -> Any:
+        ran.append(("draft", None if call is None else call.inputs))
+        return None if call is None else f"drafted {call.inputs}"
+
+    def take_context(delivery: ContextDelivery | None, call: DrafterCall | None) -> Any:
+        ran.append(
+            ("take", None if delivery is None else delivery.slots, None if call is None else call.releases)
+        )
+        if call is not None and call.inputs == "fail":
+            raise ValueError("the drafter's own error")
+        return None if call is None or call.inputs is None else f"drafted {call.inputs}"
+
+    return DrafterChannelServer(draft, take_context, lock, overlap), ran
+
+
+def test_the_serial_drafter_takes_each_delivery_with_its_own_executions_message() -> None:
+    """A delivery that arrives before its execution's message waits for it: the message's
+    releases run first, then the features are kept, then the draft (the compiled graph's order)."""
+    server, ran = _drafter_server(overlap=False)
+    target = connect(server.address, TARGET)
+    coordinator = connect(server.address, COORDINATOR)
+    send_message(target, (0, True, ContextDelivery((3,), "features")))
+    time.sleep(0.05)
+    assert ran == []  # no message of execution 0 yet
+    release_then_draft = DrafterCall((3,), "block")
+    send_message(coordinator, (0, 0, release_then_draft, True, True))
+    assert recv_message(coordinator) == (0, True, "drafted block")
+    assert ran == [("take", (3,), (3,))]
+    # A target call that failed fails the drafter's node after it, with the target's error.
+    send_message(coordinator, (1, 1, DrafterCall((), "next"), True, True))
+    send_message(target, (1, False, KeyError("verify failed")))
+    seq, ok, error = recv_message(coordinator)
+    assert (seq, ok, type(error)) == (1, False, KeyError)
+    # A call without a reply reports its own error unasked, with no sequence number.
+    send_message(coordinator, (2, 2, DrafterCall((), "fail"), False, False))
+    seq, ok, error = recv_message(coordinator)
+    assert (seq, ok, str(error)) == (None, False, "the drafter's own error")
+    server.close()
+
+
+def test_the_overlapped_drafter_drafts_before_its_executions_delivery_arrives() -> None:
+    server, ran = _drafter_server(overlap=True)
+    target = connect(server.address, TARGET)
+    coordinator = connect(server.address, COORDINATOR)
+    send_message(coordinator, (0, 0, DrafterCall((), "A"), True, True))
+    assert recv_message(coordinator) == (0, True, "drafted A")  # the target has sent nothing yet
+    send_message(coordinator, (1, 1, DrafterCall((), "B"), False, True))
+    time.sleep(0.05)
+    assert ran == [("draft", "A")]  # B waits behind execution 0's delivery
+    send_message(target, (0, True, ContextDelivery((1,), "features")))
+    assert recv_message(coordinator) == (1, True, "drafted B")
+    assert ran == [("draft", "A"), ("take", (1,), None), ("draft", "B")]
+    server.close()
+
+
+def test_a_connection_without_the_token_is_dropped_and_the_real_peer_served() -> None:
+    server, _ = _drafter_server(overlap=False)
+    intruder = socket.create_connection((server.address.host, server.address.port))
+    intruder.sendall(b"x" * 33)
+    assert intruder.recv(1) == b""  # closed on us
+    forged = ChannelAddress(server.address.host, server.address.port, b"\0" * 32)
+    with pytest.raises(EOFError):
+        recv_message(connect(forged, COORDINATOR))
+    coordinator = connect(server.address, COORDINATOR)
+    send_message(coordinator, (0, 0, DrafterCall((), "ok"), False, True))
+    assert recv_message(coordinator) == (0, True, "drafted ok")
+    server.close()
+
+
+def test_the_target_delivers_before_it_replies_and_close_waits_for_the_call_in_progress() -> None:
+    """Nothing the Coordinator sent runs after `close` returned: a replay cannot run a call twice."""
+    lock = threading.Lock()
+    calls: list[int] = []
+    started, finish = threading.Event(), threading.Event()
+
+    def run_call(call: TargetCall, deliver: bool) -> tuple[Any, Any]:
+        calls.append(call.call_id)
+        if call.call_id == 1:
+            started.set()
+            finish.wait(timeout=10)
+        if call.method is None:
+            raise RuntimeError("no method")
+        return f"output {call.call_id}", ContextDelivery(
+            (0,), f"features {call.call_id}"
+        ) if deliver else None
+
+    drafter_listener = socket.create_server(("127.0.0.1", 0))
+    token = b"t" * 32
+    drafter_address = ChannelAddress("127.0.0.1", drafter_listener.getsockname()[1], token)
+    accepted: list[socket.socket] = []
+    acceptor = threading.Thread(target=lambda: accepted.append(drafter_listener.accept()[0]))
+    acceptor.start()
+    server = TargetChannelServer(run_call, lock, drafter_address)
+    acceptor.join(timeout=10)
+    drafter = accepted[0]
+    assert drafter.recv(33) == token + TARGET
+    coordinator = connect(server.address, COORDINATOR)
+
+    send_message(coordinator, (0, 10, TargetCall(0, (), "verify_and_commit", None)))
+    assert recv_message(drafter) == (10, True, ContextDelivery((0,), "features 0"))
+    assert recv_message(coordinator) == (0, True, "output 0")
+    send_message(coordinator, (1, 11, TargetCall(2, (), None, None)))
+    seq, ok, error = recv_message(coordinator)
+    assert (seq, ok, type(error)) == (1, False, RuntimeError)
+    assert recv_message(drafter)[:2] == (11, False)
+
+    send_message(coordinator, (2, 12, TargetCall(1, (), "verify_and_commit", None)))
+    send_message(coordinator, (3, 13, TargetCall(3, (), "verify_and_commit", None)))
+    assert started.wait(timeout=10)
+    closer = threading.Thread(target=server.close)
+    closer.start()
+    time.sleep(0.1)
+    assert closer.is_alive()  # waits for call 1
+    finish.set()
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert calls == [0, 2, 1]  # call 3 was in the socket: it never runs
