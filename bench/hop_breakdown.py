@@ -15,12 +15,13 @@ replays them through each hop alone, with echo actors that do no model work:
   deployment forwarding a handle stream, and through the HTTP proxy (SSE).
 
 The last table times whole engine steps on the real models: in process, over actor calls and
-over both step graph transports (Ray's compiled graph and the workers' sockets), rounds interleaved so the machine's
-load hits every configuration alike. For the serial transports it also splits each seam call
-into its parts from the workers' call traces (`serve/call_trace.py`) set beside the
-Coordinator's stamps (one clock for the host's processes): the hop to the worker, the worker's
-unwiring, its model work, its wiring (which waits for the device), and the hop back (for the
-chained step graphs' verify, the drafter's chained draft is part of the hop back).
+over both step graph transports (Ray's compiled graph and the workers' sockets), rounds
+interleaved so the machine's load hits every configuration alike (`--configurations` picks
+some). For the serial transports it also splits each seam call into its parts from the workers'
+call traces (`serve/call_trace.py`) set beside the Coordinator's stamps (one clock for the
+host's processes): the hop to the worker, the worker's unwiring, its model work, its wiring
+(which waits for the device), and the hop back (for the chained step graphs' verify, the
+drafter's chained draft is part of the hop back).
 
     python bench/hop_breakdown.py --batch-sizes 1 4 16 --repeats 200
     python bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8   # on the GPU machine
@@ -370,7 +371,13 @@ def serve_chunk_table(num_chunks: int) -> dict[str, float]:
 
 
 def engine_step_table(
-    batch_size: int, budget: int, steps: int, rounds: int, device: str, dtype: str
+    batch_size: int,
+    budget: int,
+    steps: int,
+    rounds: int,
+    device: str,
+    dtype: str,
+    only: list[str] | None = None,
 ) -> dict[str, float]:
     """ms per engine step on the real models, per transport and overlap, rounds interleaved.
 
@@ -403,9 +410,13 @@ def engine_step_table(
         ("sockets+chained", "actors", "sockets", False, True),
         ("sockets+overlap", "actors", "sockets", True, False),
     ]
+    if only:
+        configurations = [c for c in configurations if c[0] in only]
     workers = {}
-    # On one GPU every configuration's drafter and target share it (a tenth each).
-    small = {"num_cpus": 0.1, "num_gpus": 0.1 if device.startswith("cuda") else 0.0}
+    # On one GPU every configuration's drafter and target share it.
+    num_actors = 2 * sum(1 for c in configurations if c[1] == "actors")
+    gpu_share = int(1e4 / max(num_actors, 1)) / 1e4 if device.startswith("cuda") else 0.0
+    small = {"num_cpus": 0.1, "num_gpus": gpu_share}
     for name, placement, *_ in configurations:
         config = ServeConfig(
             engine=engine_config,
@@ -492,6 +503,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="Timed engine steps per round.")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds per transport.")
     parser.add_argument("--skip-engine", action="store_true", help="Only the echo hops.")
+    parser.add_argument(
+        "--configurations",
+        nargs="+",
+        help="Engine-step configurations to time (default: all; e.g. in_process sockets compiled_graph).",
+    )
     parser.add_argument("--device", default="cpu", help="Model device of the engine steps (default: cpu).")
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="(default: float32)"
@@ -511,7 +527,9 @@ def main() -> None:
         if not args.skip_engine:
             for b in args.batch_sizes:
                 tables[b].update(
-                    engine_step_table(b, args.budget, args.steps, args.rounds, args.device, args.dtype)
+                    engine_step_table(
+                        b, args.budget, args.steps, args.rounds, args.device, args.dtype, args.configurations
+                    )
                 )
         chunks = serve_chunk_table(args.chunks)
     finally:

@@ -138,7 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--transport", default="actor_calls", choices=["actor_calls", "compiled_graph", "sockets"])
+    parser.add_argument(
+        "--transport", default="actor_calls", choices=["actor_calls", "compiled_graph", "sockets"]
+    )
     parser.add_argument("--requests", type=int, default=12, help="sequential streaming requests")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--gap-s", type=float, default=0.2, help="pause between requests")

@@ -83,9 +83,11 @@ class PlacementConfig(_Strict):
         "speculation group); 'in_process': both models inside the Coordinator replica (debugging, "
         "Serve's local testing mode).",
     )
-    transport: Literal["actor_calls", "compiled_graph", "sockets"] = Field(
-        default="actor_calls",
-        description="How the Coordinator reaches the worker actors each step: 'actor_calls' (a Ray "
+    transport: Literal["auto", "actor_calls", "compiled_graph", "sockets"] = Field(
+        default="auto",
+        description="How the Coordinator reaches the worker actors each step: 'auto' ('sockets' for "
+        "one target actor with a drafter, the fastest on one H200 (README, Benchmarks); "
+        "'actor_calls' for a tensor-parallel target or mode 'ar'), 'actor_calls' (a Ray "
         "actor call per seam call, features by ObjectRef), 'compiled_graph' (one Ray Compiled "
         "Graph over both actors: shared-memory channels, features target -> drafter inside the "
         "graph, releases batched into the next call) or 'sockets' (the same step graph over TCP "
@@ -423,13 +425,14 @@ class ServeConfig(_Strict):
     @model_validator(mode="after")
     def _check_transport(self) -> "ServeConfig":
         placement = self.placement
-        if placement.tensor_parallel_size > 1 and (placement.transport != "actor_calls" or placement.overlap):
+        graph = placement.transport not in ("auto", "actor_calls")
+        if placement.tensor_parallel_size > 1 and (graph or placement.overlap):
             raise ValueError(
                 "placement.transport 'compiled_graph' / 'sockets' and placement.overlap serve one "
                 "target actor: "
                 "use them with tensor_parallel_size 1"
             )
-        if placement.transport != "actor_calls" and self.engine.mode == "ar":
+        if placement.transport not in ("auto", "actor_calls") and self.engine.mode == "ar":
             raise ValueError(
                 f"placement.transport '{placement.transport}' needs a drafter (mode 'ar' has none)"
             )
@@ -439,6 +442,16 @@ class ServeConfig(_Strict):
             if self.engine.mode == "ar" or self.engine.budget_policy != "fixed":
                 raise ValueError("placement.overlap needs a drafter and budget_policy 'fixed'")
         return self
+
+    @property
+    def transport(self) -> Literal["actor_calls", "compiled_graph", "sockets"]:
+        """`placement.transport` with 'auto' resolved: the socket step graph wherever it applies
+        (one target actor and a drafter), else actor calls."""
+        placement = self.placement
+        if placement.transport != "auto":
+            return placement.transport
+        graph_fits = placement.tensor_parallel_size == 1 and self.engine.mode != "ar"
+        return "sockets" if graph_fits else "actor_calls"
 
     @property
     def max_ongoing_per_group(self) -> int:

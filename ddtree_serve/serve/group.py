@@ -119,8 +119,8 @@ def _start_actors(
         return target, None
     drafter = RayDrafter(drafter_actor)
     _deliver_features(config, target, drafter)
-    if placement.transport != "actor_calls":
-        return graph_workers(target, drafter, placement.overlap, placement.transport)
+    if config.transport != "actor_calls":
+        return graph_workers(target, drafter, placement.overlap, config.transport)
     return target, drafter
 
 
@@ -133,7 +133,7 @@ def _deliver_features(config: ServeConfig, target: RayTarget, drafter: RayDrafte
     block stays with the target's process): only `device` asks for that; `auto` keeps actor calls
     on the host path."""
     features = config.placement.features
-    graph = config.placement.transport != "actor_calls"
+    graph = config.transport != "actor_calls"
     if features == "host" or (features == "auto" and not graph):
         return
     if not same_gpu(target.device_uuid, drafter.device_uuid):
@@ -169,6 +169,6 @@ def reconnect_workers(
     drafter = RayDrafter(drafter_actor)
     drafter.release_all(config.engine.max_num_seqs)
     _deliver_features(config, target, drafter)
-    if config.placement.transport != "actor_calls":
-        return graph_workers(target, drafter, config.placement.overlap, config.placement.transport)
+    if config.transport != "actor_calls":
+        return graph_workers(target, drafter, config.placement.overlap, config.transport)
     return target, drafter

@@ -6,15 +6,29 @@ from pydantic import ValidationError
 from ddtree_serve.serve.config import ServeConfig
 
 
-def test_defaults_are_actor_calls_without_overlap() -> None:
-    placement = ServeConfig().placement
-    assert (placement.transport, placement.overlap) == ("actor_calls", False)
+def test_the_default_transport_is_the_socket_graph_wherever_it_applies() -> None:
+    config = ServeConfig()
+    assert (config.placement.transport, config.transport, config.placement.overlap) == (
+        "auto",
+        "sockets",
+        False,
+    )
+    for engine, placement in (
+        ({"mode": "ar"}, {}),
+        ({}, {"tensor_parallel_size": 2, "target": {"num_cpus": 0.5}}),
+    ):
+        config = ServeConfig.model_validate({"engine": engine, "placement": placement})
+        assert config.transport == "actor_calls"
+    explicit = ServeConfig.model_validate({"placement": {"transport": "compiled_graph"}})
+    assert explicit.transport == "compiled_graph"
 
 
 @pytest.mark.parametrize(
     ("engine", "placement", "message"),
     [
         ({"mode": "ar"}, {"transport": "compiled_graph"}, "needs a drafter"),
+        ({"mode": "ar"}, {"transport": "sockets"}, "needs a drafter"),
+        ({}, {"transport": "sockets", "tensor_parallel_size": 2}, "one target actor"),
         ({"mode": "ar"}, {"overlap": True}, "needs a drafter"),
         ({}, {"overlap": True, "workers": "in_process"}, "workers 'actors'"),
         ({"budget_policy": "adaptive"}, {"overlap": True}, "budget_policy 'fixed'"),
