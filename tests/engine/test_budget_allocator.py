@@ -249,6 +249,27 @@ def test_a_wider_probe_is_made_only_at_a_bounded_price():
         assert any(c > choice for c in ceilings) == probes_wider
 
 
+def test_a_batch_bucket_drafted_at_before_resumes_its_probe_interval():
+    """Probes of the neighbouring ceilings back off per batch bucket: a bucket the batch comes
+    back to probes at the interval it had reached, not from `FIRST_PROBE_INTERVAL` again; a new
+    bucket starts there."""
+    curve = linear_curve(fixed_ms=5.0, per_token_ms=0.01, draft_ms=0.5)
+    gate = DraftGate(probe_interval=16)
+    record_curve(gate, CONFIDENT, CONFIDENT)
+
+    def probes(batch_size: int, steps: int) -> int:
+        ceilings = [gate.ceiling([16] * batch_size, curve, FREE_BUILD, "padded") for _ in range(steps)]
+        choice = Counter(ceilings).most_common(1)[0][0]
+        assert choice > 0
+        return sum(c != choice for c in ceilings)
+
+    first_visit = probes(4, 40)
+    assert first_visit >= 3  # 2, 4, 8, 16 steps apart
+    assert probes(16, 6) >= 1  # another bucket: learned from 2 steps on
+    assert probes(4, 15) == 0  # back at batch 4: its interval is 16 steps now
+    assert probes(32, 6) >= 1
+
+
 def test_gate_follows_the_recent_curve():
     gate = DraftGate(curve_weight=0.5)
     record_curve(gate, np.array([0.8, 0.4]), np.array([0.6]))

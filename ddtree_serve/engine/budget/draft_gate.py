@@ -85,12 +85,17 @@ class DraftGate:
         # probe pays the drafter's catch-up on every context it skipped), up to 16x.
         self.plain_probe_intervals: dict[int, int] = {}
         # Drafted steps before the next probe of the neighbouring ceilings: from
-        # `FIRST_PROBE_INTERVAL` when the batch moves to another bucket (a new load, whose
-        # step-time ratios are its own), doubled after each probe, up to `probe_interval` (a
-        # new load is learned in a few steps, a settled one pays for a probe rarely; the choice
-        # flipping between neighbours on noise does not start the learning over).
+        # `FIRST_PROBE_INTERVAL` when the batch moves to a bucket not drafted at before (a new
+        # load, whose step-time ratios are its own), doubled after each probe, up to
+        # `probe_interval` (a new load is learned in a few steps, a settled one pays for a probe
+        # rarely; the choice flipping between neighbours on noise does not start the learning
+        # over). Each bucket keeps its interval when the batch leaves it: a load seen before
+        # resumes where it was. On the H200 the sweep's runs pass through every bucket again and
+        # again (a run's start and its tail), and at c = 8 half the adaptive steps ran at the
+        # neighbours of the best ceiling, each return to a bucket probing from 2 steps again.
         self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, probe_interval)
-        self._probe_bucket: int | None = None  # the batch bucket the interval was reset for
+        self._drafted_probe_intervals: dict[int, int] = {}  # per batch bucket, once it probed
+        self._probe_bucket: int | None = None  # the batch bucket the interval was set for
         self.probing = False  # the last ceiling is a probe after plain steps
         # The last ceiling is a probe of a neighbour of the drafting choice (wider or narrower):
         # its trees are what keeps the curve past the chosen width current.
@@ -178,8 +183,9 @@ class DraftGate:
             )
             best = drafted if drafted_rate > plain_rate or learning else 0
         predicted_ms[0] = plain_ms
-        if streak[0] != self._probe_bucket:  # a new load: learn its neighbours soon, not now
-            self.drafted_probe_interval = min(FIRST_PROBE_INTERVAL, self.probe_interval)
+        if streak[0] != self._probe_bucket:  # another load: its neighbours at its own interval
+            first = min(FIRST_PROBE_INTERVAL, self.probe_interval)
+            self.drafted_probe_interval = self._drafted_probe_intervals.get(streak[0], first)
             self.steps_since_probe = 0
         self._probe_bucket = streak[0]
         chosen = best
@@ -190,6 +196,7 @@ class DraftGate:
             chosen = drafted if best == 0 else self._probe_ceiling(best, cap, batch_size, predicted_ms)
             if best > 0:
                 self.drafted_probe_interval = min(2 * self.drafted_probe_interval, self.probe_interval)
+                self._drafted_probe_intervals[streak[0]] = self.drafted_probe_interval
         self.probing = best == 0 and chosen > 0
         self.probing_neighbour = best > 0 and chosen != best
         if best > 0:
