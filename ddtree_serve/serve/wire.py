@@ -14,6 +14,7 @@ again as views of that buffer.
 import copy as copying
 import dataclasses
 import functools
+import math
 import pickle
 from typing import Any
 
@@ -108,7 +109,7 @@ def from_wire(value: Any, copy: bool = False) -> Any:
         if type(item) in _ATOMS:
             return item
         if isinstance(item, WireTensor):
-            size = _element_size(item.dtype) * int(np.prod(item.shape, dtype=np.int64))
+            size = _element_size(item.dtype) * math.prod(item.shape)  # np.prod: 30% of a from_wire
             if size == 0:  # an empty slice cannot be viewed as a wider dtype
                 return torch.empty(item.shape, dtype=item.dtype)
             return buffer[item.offset : item.offset + size].view(item.dtype).reshape(item.shape)
