@@ -408,12 +408,20 @@ class GraphDrafter:
         return self._drafter.actor
 
     def is_available(self) -> bool:
-        """After a loss: True once Ray restarted the drafter and the graph is compiled again."""
+        """After a loss: True once Ray restarted the drafter and the graph is compiled again.
+
+        A drafter that answered and then died before the graph was built over it (its step
+        socket refuses the target, a channel breaks) is still lost: asked again next step."""
         if self._graph.compiled:
             return True
         if not self._drafter.is_available():
             return False
-        self._graph.recompile()
+        try:
+            self._graph.recompile()
+        except (*_LOST, OSError) as error:
+            # Nothing is dropped: the releases queued meanwhile go with the next target call.
+            logger.warning("step graph (%s) not rebuilt yet: %r", self._graph.transport, error)
+            return False
         return True
 
     def draft(self, inputs: DraftInput) -> DraftOutput:

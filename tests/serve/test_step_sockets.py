@@ -5,12 +5,14 @@ on real actors)."""
 import socket
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from ddtree_serve.serve.compiled_graph import GraphDrafter
 from ddtree_serve.serve.graph_calls import ContextDelivery, DrafterCall, TargetCall
 from ddtree_serve.serve.step_sockets import (
     ChannelAddress,
@@ -168,3 +170,28 @@ def test_the_target_delivers_before_it_replies_and_close_waits_for_the_call_in_p
     closer.join(timeout=10)
     assert not closer.is_alive()
     assert calls == [0, 2, 1]  # call 3 was in the socket: it never runs
+
+
+class _GraphThatFailsToRebuild:
+    """A `StepGraph` stand-in whose drafter died again while its graph was being rebuilt."""
+
+    transport = "sockets"
+
+    compiled = False
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def recompile(self) -> None:
+        self.attempts += 1
+        raise ConnectionRefusedError("the drafter's step socket is gone")
+
+
+def test_a_drafter_lost_again_while_its_graph_is_rebuilt_stays_lost() -> None:
+    """`GraphDrafter.is_available` answers False (the engine decodes plainly and asks again next
+    step) instead of raising out of the engine's step."""
+    graph = _GraphThatFailsToRebuild()
+    drafter = GraphDrafter(graph, SimpleNamespace(is_available=lambda: True))  # type: ignore[arg-type]
+    assert drafter.is_available() is False
+    assert drafter.is_available() is False
+    assert graph.attempts == 2
