@@ -257,10 +257,12 @@ class StepGraph:
                 role = "chained" if execution.chained is not None else "draft"
                 refs = [("target", target_ref), (role, drafter_ref)]
             self._run_while_waiting()
+            # Ray's channel values are views of the channel's buffer, which the next execution
+            # cannot write while one lives (a carried draft outlives a step): copied out. A
+            # socket reply's buffer is its own, read fresh for each message.
+            copy = self.transport == "compiled_graph"
             for role, ref in refs:
-                # Channel values are views of the channel's buffer, which the next execution
-                # cannot write while one lives (a carried draft outlives a step): copied out.
-                value = from_wire(ref.get(timeout=_GET_TIMEOUT_S), copy=True)
+                value = from_wire(ref.get(timeout=_GET_TIMEOUT_S), copy=copy)
                 if role is not None:
                     setattr(execution, f"{role}_result", value)
         except _LOST as error:

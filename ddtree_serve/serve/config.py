@@ -432,7 +432,7 @@ class ServeConfig(_Strict):
                 "target actor: "
                 "use them with tensor_parallel_size 1"
             )
-        if placement.transport not in ("auto", "actor_calls") and self.engine.mode == "ar":
+        if graph and self.engine.mode == "ar":
             raise ValueError(
                 f"placement.transport '{placement.transport}' needs a drafter (mode 'ar' has none)"
             )

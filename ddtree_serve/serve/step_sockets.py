@@ -230,10 +230,13 @@ class TargetChannelServer(_ChannelServer):
         self._thread.start()
 
     def _serve(self) -> None:
-        accepted = None
-        while accepted is None or accepted[1] != _ROLE_COORDINATOR:
+        coordinator = None
+        while coordinator is None:
             accepted = self._listener.accept()
-        coordinator = accepted[0]
+            if accepted is not None and accepted[1] == _ROLE_COORDINATOR:
+                coordinator = accepted[0]
+            elif accepted is not None:
+                accepted[0].close()  # only the Coordinator calls a target
         self._peers.append(coordinator)
         while True:
             seq, execution, call = recv_message(coordinator)
