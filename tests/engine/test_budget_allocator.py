@@ -523,13 +523,15 @@ def run_streak(policy: AdaptiveBudget, monkeypatch, steps: int, cost_per_node: f
         weighed.clear()
         allocation = policy.choose(built, [8])
         policy.record_verify_ms(4.0 + cost_per_node * (allocation.num_nodes[0] + 1))
-        policy.observe(built.prefix(allocation.num_nodes), [[1]])
+        accepted = [[1]] if allocation.num_nodes[0] > 0 else [[]]  # the first node, where verified
+        policy.observe(built.prefix(allocation.num_nodes), accepted)
         policy.record_step_ms(5.0 + cost_per_node * (allocation.num_nodes[0] + 1))
         records.append(
             {
                 "settled": settled,
                 "ceiling": ceiling,
                 "held": policy.gate.held,
+                "kept": policy.gate.kept,
                 "node_turn": node_turn,
                 "weighed": bool(weighed),
                 "nodes": allocation.num_nodes[0],
@@ -544,14 +546,14 @@ def run_streak(policy: AdaptiveBudget, monkeypatch, steps: int, cost_per_node: f
 
 def test_a_settled_streak_keeps_its_trees_whole_without_weighing_widths(monkeypatch):
     """Nodes cost nothing, so every weighing keeps whole trees: a streak's later steps keep them
-    whole unweighed, with the same forecast, except those that teach their nodes (and probes,
-    and decisions, which are not held streaks)."""
+    whole unweighed, with the same forecast, those that teach their nodes too (probes and
+    decisions are not kept streaks: they weigh)."""
     policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0)
     records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 40, cost_per_node=0.0)
     settled = [r for r in records if r["settled"]]
-    assert len(settled) > 10
+    assert len(settled) > 10 and any(r["node_turn"] for r in settled)
     for record in settled:
-        assert record["held"] and not record["node_turn"] and not record["weighed"]
+        assert record["kept"] and not record["weighed"]
         assert record["nodes"] == record["built"]
         assert record["expected"] == pytest.approx(record["calibrated_sum"])
     assert all(r["weighed"] for r in records if not r["settled"])
@@ -580,23 +582,28 @@ def test_a_settled_step_takes_its_ceilings_last_weighed_width(monkeypatch):
             last_weighing = record
 
 
-def test_only_unsettled_steps_teach_the_cost_curve(monkeypatch):
+def test_only_unsettled_steps_and_node_lessons_teach_the_cost_curve(monkeypatch):
     """A settled step's forwards are its streak's: it leaves the cost curve no lesson (its wall
-    time still reaches the gate); every other step leaves one with its timings."""
+    time still reaches the gate) unless it is the step that teaches its nodes; every other step
+    leaves one with its timings."""
     policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0)
-    lessons: dict[bool, list[bool]] = {True: [], False: []}
+    lessons: dict[tuple[bool, bool], list[bool]] = {}
     observe = policy.observe
 
     def recording_observe(*args, **kwargs):
         step = observe(*args, **kwargs)
         lesson = policy._lesson
-        lessons[policy.settled].append(lesson is not None and lesson.verify_ms is not None)
+        node_turn = policy._num_drafted_steps % NODE_LESSON_INTERVAL == 0
+        taught = lesson is not None and lesson.verify_ms is not None
+        lessons.setdefault((policy.settled, node_turn), []).append(taught)
         return step
 
     monkeypatch.setattr(policy, "observe", recording_observe)
     records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 40, cost_per_node=0.0)
-    assert len(lessons[True]) == sum(r["settled"] for r in records) > 10 and not any(lessons[True])
-    assert len(lessons[False]) > 10 and all(lessons[False])
+    settled = lessons[True, False] + lessons[True, True]
+    assert len(settled) == sum(r["settled"] for r in records) > 10
+    assert not any(lessons[True, False]) and lessons[True, True] and all(lessons[True, True])
+    assert len(lessons[False, False]) > 10 and all(lessons[False, False] + lessons.get((False, True), []))
 
 
 def test_a_plain_step_after_a_settled_one_still_teaches_the_cost_curve(monkeypatch):

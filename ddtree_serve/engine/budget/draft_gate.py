@@ -100,8 +100,12 @@ class DraftGate:
         # The last ceiling is a probe of a neighbour of the drafting choice (wider or narrower):
         # its trees are what keeps the curve past the chosen width current.
         self.probing_neighbour = False
-        # The last ceiling kept the drafting streak under way (decided at an earlier step).
+        # The last ceiling kept the drafting streak under way (decided at an earlier step), at
+        # the batch size it was decided for (its step teaches the ceiling's ratio).
         self.held = False
+        # The last ceiling kept the drafting streak's choice, at any batch size in its bucket
+        # (requests finishing one by one): its trees may take the streak's width unweighed.
+        self.kept = False
         # (batch bucket, cap) of the streak under way (None: decide the next step), its choice,
         # its steps since decided, and the predicted ms of its step (read by a drafting streak; a
         # plain one prices its step anew each time): see `ceiling`.
@@ -139,7 +143,7 @@ class DraftGate:
         `calibrate`: the acceptance of drafter probabilities (None: the curve is acceptance)."""
         overhead = overhead or StepOverhead()
         self._decided = None
-        self.held = False
+        self.held = self.kept = False
         cap = max(caps)
         if cap <= 0:
             return 0
@@ -159,6 +163,7 @@ class DraftGate:
             self._streak_age += 1
             self.probing = self.probing_neighbour = False
             choice = min(self._streak_choice, cap)
+            self.kept = choice > 0 and choice == self._streak_choice
             if choice == 0:
                 self._decided = (batch_size, 0, plain_ms)  # its price is read again every step
             elif batch_size == self._streak_batch and choice == self._streak_choice:

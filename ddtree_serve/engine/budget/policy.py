@@ -190,15 +190,17 @@ class AdaptiveBudget:
             calibrate=self.calibrator.calibrate,
         )
         # A streak's step takes the width its last weighing at this ceiling took, unweighed
-        # (`choose`), except a step that teaches its nodes (one in `NODE_LESSON_INTERVAL`, which
-        # weighs afresh): on the H200 the weighing was a quarter of the adaptive step's extra
-        # host time at batch 1, where it kept 31 of 32 nodes (the 32-token graph) step after step.
+        # (`choose`), until the gate decides again (at most `DRAFTED_RECHECK_STEPS` later): on
+        # the H200 the weighing was a quarter of the adaptive step's extra host time at batch 1,
+        # where it kept 31 of 32 nodes (the 32-token graph) step after step. So do the steps of
+        # a streak whose batch shrinks within its bucket (requests finishing: a third of the
+        # steps at c = 16, each built at the ceiling and weighed), and a step that teaches its
+        # nodes (one in `NODE_LESSON_INTERVAL`), from the trees it verified.
         self.settled = (
-            self.gate.held
+            self.gate.kept
             and self._weighed is not None
             and self._weighed[0] == self._ceiling
             and self._num_calibrations >= EARLY_CALIBRATIONS
-            and (self._num_drafted_steps + 1) % NODE_LESSON_INTERVAL != 0
         )
         return self._ceiling
 
