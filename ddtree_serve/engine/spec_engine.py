@@ -345,6 +345,11 @@ class SpecEngine:
             self._lose_drafter(error)
             return running, None
         if self.budget_policy is not None:
+            if draft.logp.is_cuda:
+                # The last step's lesson while the drafter's kernels run: the copy below waits
+                # for them (on the H200 at batch 1 half a millisecond), and the verify, launch-
+                # bound there, hid it only in part.
+                self.budget_policy.learn()
             # The top-K to the host (the build's one copy, made here), so the drafter's time is
             # the draft stage's.
             logp, ids = topk_on_host(draft.logp, draft.ids)

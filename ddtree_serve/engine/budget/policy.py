@@ -15,9 +15,9 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
                                   (`step_overhead.py`), and how far the gate's prediction for
                                   its ceiling was off (`step_residual.py`)
     learn()                       the observed step's lesson, calibration and cost refresh: the
-                                  engine calls it inside the next step's verify (on CUDA while
-                                  the device computes); `observe` calls it first, so no lesson
-                                  is skipped
+                                  engine calls it while the device computes, on CUDA in the
+                                  next step's draft, else inside its verify; `observe` calls it
+                                  first, so no lesson is skipped
 The trees verified are best-first prefixes of the ones built (`TreeBatch.prefix`), so the
 choice reads drafter outputs only and verification stays lossless.
 
@@ -422,10 +422,13 @@ class AdaptiveBudget:
     def learn(self) -> None:
         """Apply the last observed step's lesson, if it is still pending: the cost curve and the
         build cost from its timings, the calibrator from its verified nodes. The engine calls it
-        during the next step's verify (on CUDA while the device computes: on the H200 it took
-        0.35 ms of host time a step, which the drafter's kernels, shorter, did not hide), so
-        `plan` and `choose` decide one step behind, but `plan` learns first for the first curve
-        and after a probe; `observe` calls it first, so lessons are learned in step order."""
+        while the device computes: with a CUDA draft, between the drafter's launch and the copy
+        of its top-K (lessons come one drafted step in `NODE_LESSON_INTERVAL`, so its mean is
+        under a tenth of a millisecond on the H200's host; the verify, launch-bound at small
+        batches, hid it only in part), else during the next step's verify (an `AsyncDeviceTarget`'s
+        wait) or at the next `observe`, so `plan` decides one step behind, but learns first for the
+        first curve and after a probe; `observe` calls it first, so lessons are learned in step
+        order."""
         lesson, self._lesson = self._lesson, None
         if lesson is None:
             return
