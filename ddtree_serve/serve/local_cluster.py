@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private.utils import get_ray_address_file
 from ray.cluster_utils import Cluster
 
 # The name Serve gives each replica's placement group (Ray 2.60): "SERVE_REPLICA::<replica id>".
@@ -51,6 +52,10 @@ def local_cluster(spec: LocalClusterSpec, temp_dir: Path) -> Iterator[Cluster]:
     }
     if spec.metrics_export_port is not None:
         head_args["metrics_export_port"] = spec.metrics_export_port
+    # The head writes its address to Ray's default temp folder whatever `temp_dir` says
+    # (Ray 2.60, `write_ray_address`), and fails where that folder was never made (a fresh
+    # machine that ran no `ray start`).
+    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
     # shutdown_at_exit: a node that fails to start is still killed when this process exits.
     cluster = Cluster(initialize_head=True, head_node_args=head_args, shutdown_at_exit=True)
     try:
