@@ -65,3 +65,14 @@ def test_a_drafter_off_by_a_factor_everywhere_is_corrected_where_it_has_no_data_
         calibrator.observe(probs, rng.uniform(size=64) < 2.0 * probs)
     assert calibrator.calibrate(np.array([0.02]))[0] == pytest.approx(0.04, rel=0.3)
     assert calibrator.calibrate(np.array([0.1]))[0] == pytest.approx(0.2, rel=0.3)
+
+
+def test_a_rare_bin_is_not_read_as_never_accepted_until_enough_nodes_missed():
+    """Forty nodes at p = 0.01 without a hit are what a 1% rate gives two times in three: the
+    bin keeps most of its prior; two thousand without one do say it is near zero."""
+    few = AcceptanceCalibrator(decay=1.0)
+    few.observe(np.full(40, 0.01), np.zeros(40, dtype=bool))
+    many = AcceptanceCalibrator(decay=1.0)
+    many.observe(np.full(2000, 0.01), np.zeros(2000, dtype=bool))
+    assert few.calibrate(np.array([0.01]))[0] > 0.003
+    assert many.calibrate(np.array([0.01]))[0] < 0.001
