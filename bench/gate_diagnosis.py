@@ -1,0 +1,156 @@
+"""What the adaptive gate forecast for each candidate ceiling, against what its steps measured.
+
+Runs `budget_sweep.py` (same arguments) with the policy's decisions recorded: at each decision
+of the gate, per candidate ceiling, its predicted rate (over its measured step-time ratio), its
+predicted step milliseconds, that ratio and the forecast tokens of the step; and per adaptive
+step, kept by (batch bucket, ceiling), the tokens it made, the tokens its allocation forecast,
+its wall time and whether it was settled. Then the calibrator's bins and the gate's curve,
+raw and calibrated. A forecast that prices the wider ceilings' nodes at nothing, or a ratio
+that makes one ceiling dear, shows here before it shows as a wrong choice in the sweep.
+
+The records hook the policy's methods from outside (the engine has no such hooks: their calls
+would cost every step), so this is a diagnostic, not a benchmark: its timings carry the hooks.
+
+    python bench/gate_diagnosis.py --device cuda --dtype bfloat16 --concurrency 1,16,64
+"""
+
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import budget_sweep  # the sweep this wraps
+
+from ddtree_serve.engine.budget import AdaptiveBudget, DraftGate
+from ddtree_serve.engine.budget.step_residual import batch_bucket
+
+
+@dataclass(frozen=True)
+class Decision:
+    batch_size: int
+    ceilings: list[int]
+    rates: list[float]  # predicted tokens/s over the measured step-time ratio
+    step_ms: list[float]  # predicted, before the ratio
+    ratios: list[float]
+    tokens: list[float]  # forecast tokens of the step (accepted drafts and bonuses)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    tokens: int
+    forecast: float
+    ms: float
+    settled: bool
+
+
+decisions: dict[int, list[Decision]] = defaultdict(list)
+steps: dict[tuple[int, int], list[StepRecord]] = defaultdict(list)
+policies: list[AdaptiveBudget] = []
+
+
+def hook() -> None:
+    """Wrap the gate's candidate pricing and the policy's observe/record to keep the records."""
+    drafted_ceilings = DraftGate._drafted_ceilings
+    observe, record_step_ms = AdaptiveBudget.observe, AdaptiveBudget.record_step_ms
+    init = AdaptiveBudget.__init__
+    pending: dict[int, tuple[int, int, int, float, bool]] = {}
+
+    def priced(self: DraftGate, acceptance, caps, cost, build, layout, overhead):
+        ceilings, rates, step_ms = drafted_ceilings(self, acceptance, caps, cost, build, layout, overhead)
+        batch_size = len(caps)
+        ratios = [self.residual.ratio(batch_size, c) for c in ceilings]
+        tokens = (rates * np.asarray(ratios) * step_ms / 1000.0).tolist()
+        decisions[batch_bucket(batch_size)].append(
+            Decision(batch_size, list(ceilings), rates.tolist(), step_ms.tolist(), ratios, tokens)
+        )
+        return ceilings, rates, step_ms
+
+    def observed(self: AdaptiveBudget, trees, accepted, padded_num_nodes=None):
+        step = observe(self, trees, accepted, padded_num_nodes)
+        batch_size = trees.batch_size
+        pending[id(self)] = (
+            batch_size,
+            step.ceiling,
+            step.accepted + batch_size,
+            step.predicted_accepted + batch_size,
+            self.settled,
+        )
+        return step
+
+    def recorded(self: AdaptiveBudget, step_ms: float) -> None:
+        if id(self) in pending:
+            batch_size, ceiling, tokens, forecast, settled = pending.pop(id(self))
+            steps[(batch_bucket(batch_size), ceiling)].append(StepRecord(tokens, forecast, step_ms, settled))
+        record_step_ms(self, step_ms)
+
+    def initialized(self: AdaptiveBudget, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        policies.append(self)
+
+    DraftGate._drafted_ceilings = priced  # type: ignore[method-assign]
+    AdaptiveBudget.observe = observed  # type: ignore[method-assign]
+    AdaptiveBudget.record_step_ms = recorded  # type: ignore[method-assign]
+    AdaptiveBudget.__init__ = initialized  # type: ignore[method-assign]
+
+
+def report(last: int = 20) -> list[str]:
+    lines = []
+    for bucket in sorted(decisions):
+        recent = decisions[bucket][-last:]
+        sizes = sorted({d.batch_size for d in recent})
+        lines.append(f"== batch bucket {bucket}: the last {len(recent)} decisions (batch sizes {sizes})")
+        for j, ceiling in enumerate(recent[-1].ceilings):
+            rows = [d for d in recent if len(d.ceilings) > j and d.ceilings[j] == ceiling]
+            lines.append(
+                f"  ceiling {ceiling:3d}: rate {statistics.mean(d.rates[j] for d in rows):9.1f} tok/s, "
+                f"predicted {statistics.mean(d.step_ms[j] for d in rows):6.2f} ms x ratio "
+                f"{statistics.mean(d.ratios[j] for d in rows):4.2f}, "
+                f"forecast {statistics.mean(d.tokens[j] for d in rows):7.2f} tokens"
+            )
+    lines.append("== adaptive steps by (batch bucket, ceiling)")
+    for (bucket, ceiling), records in sorted(steps.items()):
+        settled = sum(r.settled for r in records)
+        tokens = statistics.mean(r.tokens for r in records)
+        forecast = statistics.mean(r.forecast for r in records)
+        ms = statistics.mean(r.ms for r in records)
+        lines.append(
+            f"  bucket {bucket:3d} ceiling {ceiling:3d}: {len(records):4d} steps ({settled} settled), "
+            f"tokens {tokens:7.2f} (forecast {forecast:7.2f}), {ms:6.2f} ms"
+        )
+    if policies:
+        lines += _calibration(policies[0])
+    return lines
+
+
+def _calibration(policy: AdaptiveBudget) -> list[str]:
+    calibrator = policy.calibrator
+    nodes, accepted, prob_sum = calibrator._stats
+    _, table = calibrator._interpolation_table()
+    lines = ["== calibrator bins (decayed): centre, nodes, mean drafter p, accepted rate, calibrated"]
+    for j in np.flatnonzero(nodes > 0.01):
+        lines.append(
+            f"  {calibrator._centres[j]:.4f}: {nodes[j]:8.1f} nodes, p {prob_sum[j] / nodes[j]:.4f}, "
+            f"rate {accepted[j] / nodes[j]:.4f}, calibrated {table[j + 1]:.4f}"
+        )
+    curve = policy.gate.curve
+    if curve is not None:
+        lines.append(f"gate curve, raw: {np.round(curve[:64], 4).tolist()}")
+        calibrated = calibrator.calibrate(curve[:64]) * policy.gate.spread[:64]
+        lines.append(f"gate curve, calibrated: {np.round(calibrated, 4).tolist()}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    hook()
+    budget_sweep.main(list(argv) if argv is not None else None)
+    print("\n".join(report()))
+
+
+if __name__ == "__main__":
+    main()
