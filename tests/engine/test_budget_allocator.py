@@ -1,6 +1,7 @@
 """The allocator, the draft gate and the policy on hand-built candidates and fake cost curves."""
 
 import itertools
+import math
 from collections import Counter
 
 import numpy as np
@@ -16,6 +17,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
 )
 from ddtree_serve.engine.budget.allocator import allocate_padded_rows, ceiling_rates
+from ddtree_serve.engine.budget.draft_gate import PROBE_SHARE
 from ddtree_serve.engine.budget.policy import (
     CALIBRATION_STEPS,
     DECIDING_MEAN_WEIGHT,
@@ -385,7 +387,7 @@ def test_the_calibrator_learns_the_first_steps_at_once_then_in_batches():
     later, one step in `NODE_LESSON_INTERVAL` teaches its nodes, and those four at a time (one
     update and one refit): the lesson's host work is a tenth of a fast step."""
     tree = TreeBatch.from_trees([build_ddtree(*random_draft(0), 8, root_token=7)])
-    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), lesson_share=0.0)
     probe = np.exp(tree.logws[0, 1:2])
     calibrated = []
     for _ in range(EARLY_CALIBRATIONS + CALIBRATION_STEPS * NODE_LESSON_INTERVAL):
@@ -469,7 +471,7 @@ def test_a_probe_of_the_neighbouring_ceilings_always_teaches_the_gates_curve():
     but a probe of the choice's neighbours always does: its trees are the gate's only news of
     the curve past the chosen width (else it could settle at 16 where 32 wins, for good)."""
     # Nodes cost a little, so the gate settles below the cap and probes around its choice.
-    policy = AdaptiveBudget(linear_curve(4.0, 0.05, draft_ms=1.0), learning_steps=0)
+    policy = AdaptiveBudget(linear_curve(4.0, 0.05, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
     taught = {True: [], False: []}  # probe step -> (whether its lesson moved the curve, its turn)
     for step in range(EARLY_CALIBRATIONS + 40):
         # A new draft each step: a lesson moves the curve, a step that teaches none leaves it.
@@ -548,7 +550,7 @@ def test_a_settled_streak_keeps_its_trees_whole_without_weighing_widths(monkeypa
     """Nodes cost nothing, so every weighing keeps whole trees: a streak's later steps keep them
     whole unweighed, with the same forecast, those that teach their nodes too (probes and
     decisions are not kept streaks: they weigh)."""
-    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0)
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
     records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 40, cost_per_node=0.0)
     settled = [r for r in records if r["settled"]]
     assert len(settled) > 10 and any(r["node_turn"] for r in settled)
@@ -564,7 +566,7 @@ def test_a_settled_step_takes_its_ceilings_last_weighed_width(monkeypatch):
     """Nodes cost so much that most weighings keep only the likeliest few: a settled step takes
     the width the last weighing at its ceiling took (its count where it cut the tree, the whole
     tree where it kept it), with the forecast of those nodes."""
-    policy = AdaptiveBudget(linear_curve(4.0, 3.0, draft_ms=1.0), learning_steps=0)
+    policy = AdaptiveBudget(linear_curve(4.0, 3.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
     records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 60, cost_per_node=3.0)
     weighings = [r for r in records if r["weighed"]]
     assert sum(r["nodes"] < r["built"] for r in weighings) > 10
@@ -586,7 +588,7 @@ def test_only_unsettled_steps_and_node_lessons_teach_the_cost_curve(monkeypatch)
     """A settled step's forwards are its streak's: it leaves the cost curve no lesson (its wall
     time still reaches the gate) unless it is the step that teaches its nodes; every other step
     leaves one with its timings."""
-    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0)
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
     lessons: dict[tuple[bool, bool], list[bool]] = {}
     observe = policy.observe
 
@@ -656,3 +658,50 @@ def test_a_decisions_own_host_time_is_not_charged_to_its_ceiling(monkeypatch):
     mean = mean_before + DECIDING_MEAN_WEIGHT * (deciding - mean_before)
     assert taught == [pytest.approx(100.0 - deciding + mean)]
     assert taught[0] < 100.0 - 0.8 * deciding
+
+
+def test_where_node_lessons_are_cheap_every_drafted_step_teaches_its_nodes(monkeypatch):
+    """A node lesson below `lesson_share` of a drafted step's time is taken at every drafted
+    step, not one in `NODE_LESSON_INTERVAL`; at share 0 only on its turn (and at probes)."""
+    taught: dict[float, list[bool]] = {}
+    for share in (1.0, 0.0):
+        policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=share)
+        observe = policy.observe
+
+        def recording(*args, policy=policy, observe=observe, share=share, **kwargs):
+            step = observe(*args, **kwargs)
+            if (
+                policy._num_calibrations >= EARLY_CALIBRATIONS
+                and step.drafted
+                and not policy.gate.probing_neighbour
+            ):
+                taught.setdefault(share, []).append(
+                    policy._lesson is not None and policy._lesson.nodes is not None
+                )
+            return step
+
+        monkeypatch.setattr(policy, "observe", recording)
+        run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 40, cost_per_node=0.0)
+    assert len(taught[1.0]) > 20 and all(taught[1.0])
+    assert len(taught[0.0]) > 20 and sum(taught[0.0]) <= len(taught[0.0]) / 2
+
+
+def test_a_dear_probe_keeps_the_next_away_in_proportion_to_its_cost():
+    """Probes after plain steps take at most `PROBE_SHARE` of the plain steps' time: one that
+    took ten plain steps' time (nine more than one) keeps the next 9 / PROBE_SHARE plain steps
+    away, within the 16x cap; a cheap one leaves the doubling alone; `probe_share=0` turns it
+    off."""
+    cost = CostCurve([1], [1.0, 512.0], [[5.0, 5.0]], draft_ms=[34.0])
+    intervals = {}
+    for share, probe_ms in ((PROBE_SHARE, 50.0), (PROBE_SHARE, 5.0), (0.0, 50.0)):
+        gate = DraftGate(probe_interval=4, probe_share=share)
+        gate.ceiling([8], cost, FREE_BUILD, "padded")
+        record_curve(gate, UNSURE)
+        ceilings = []
+        while sum(c > 0 for c in ceilings) < 1:  # plain steps, then the first probe
+            ceilings.append(gate.ceiling([8], cost, FREE_BUILD, "padded"))
+        assert gate.probing
+        gate.record_probe_ms(1, probe_ms)  # the plain step is 5 ms
+        intervals[share, probe_ms] = gate.plain_probe_interval(1)
+    assert intervals[PROBE_SHARE, 50.0] == min(math.ceil((50.0 / 5.0 - 1.0) / PROBE_SHARE), 64)
+    assert intervals[PROBE_SHARE, 5.0] == intervals[0.0, 50.0] == 8  # doubled from 4

@@ -42,11 +42,13 @@ FILE_ONLY = BuildCost(0.0, 0.0, 0.0)
 
 
 def steer_by_the_file(engine: SpecEngine) -> None:
-    """The cost file alone steers the policy: a free host build, no step overhead and no step-time
-    ratio learned (this machine's host work, under the suite's load, is not what the test is about)."""
+    """The cost file alone steers the policy: a free host build, no step overhead, no step-time
+    ratio learned and no probe kept away by its measured cost (this machine's host work, under
+    the suite's load, is not what the test is about)."""
     engine.budget_policy.build = FILE_ONLY
     engine.budget_policy.overhead = StepOverhead(ema_weight=0.0)
     engine.budget_policy.gate.residual = StepResidual(frozen=True)
+    engine.budget_policy.gate.probe_share = 0.0
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ recorded traces), so the gate also keeps, per position, an EMA of the ratio of t
 step measured it (`spread`), and multiplies it in.
 """
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -58,6 +59,13 @@ DRAFTED_RECHECK_STEPS = 8
 FIRST_PROBE_INTERVAL = 2
 """Drafted steps at a new batch bucket before the first probe of the choice's neighbours."""
 
+PROBE_SHARE = 0.05
+"""Probes after plain steps may take at most this share of a plain streak's time: a probe that
+cost k plain steps more than a plain one keeps the next at least k / PROBE_SHARE plain steps
+away at its batch bucket (within the 16x cap). On the CI CPU at c = 16 a probe's four requests
+caught up on their prompts and every skipped step through the drafter, ~60 ms against 13 ms
+plain steps: at the doubling intervals (16, 32, 64) a plain sweep paid 8-15% for probes."""
+
 WIDER_PROBE_MAX_COST = 1.5
 """A probe twice as wide as the choice is made only when its step is predicted (with its
 measured ratio) at most this many times the choice's; else the probe goes narrower. On the H200
@@ -70,11 +78,15 @@ class DraftGate:
     """The step's tree ceiling; `ceiling` is called once per step, `record_curve` with each
     drafted step's lesson (the policy's `learn`), `record_step_ms` after each step."""
 
-    def __init__(self, probe_interval: int = 16, curve_weight: float = 0.3) -> None:
-        if probe_interval < 1 or not 0.0 < curve_weight <= 1.0:
-            raise ValueError("need probe_interval >= 1 and curve_weight in (0, 1]")
+    def __init__(
+        self, probe_interval: int = 16, curve_weight: float = 0.3, probe_share: float = PROBE_SHARE
+    ) -> None:
+        """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone)."""
+        if probe_interval < 1 or not 0.0 < curve_weight <= 1.0 or probe_share < 0.0:
+            raise ValueError("need probe_interval >= 1, curve_weight in (0, 1] and probe_share >= 0")
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
+        self.probe_share = probe_share
         self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
         # [positions] recent mean of calibrated over calibrated mean (1 where `record_curve` is
         # given no calibration: its probabilities are acceptance already)
@@ -84,6 +96,10 @@ class DraftGate:
         # kept): doubled after each probe that found drafting still a loss at that bucket (a
         # probe pays the drafter's catch-up on every context it skipped), up to 16x.
         self.plain_probe_intervals: dict[int, int] = {}
+        # Per batch bucket, the last probe's extra wall time in plain steps (`PROBE_SHARE`), and
+        # the predicted plain step of the probe under way (None: the last ceiling was no probe).
+        self.probe_costs: dict[int, float] = {}
+        self._probe_plain_ms: float | None = None
         # Drafted steps before the next probe of the neighbouring ceilings: from
         # `FIRST_PROBE_INTERVAL` when the batch moves to a bucket not drafted at before (a new
         # load, whose step-time ratios are its own), doubled after each probe, up to
@@ -204,6 +220,7 @@ class DraftGate:
                 self._drafted_probe_intervals[streak[0]] = self.drafted_probe_interval
         self.probing = best == 0 and chosen > 0
         self.probing_neighbour = best > 0 and chosen != best
+        self._probe_plain_ms = plain_ms if self.probing else None
         if best > 0:
             self.plain_probe_intervals.pop(streak[0], None)
         elif chosen > 0:
@@ -222,8 +239,14 @@ class DraftGate:
         return chosen
 
     def plain_probe_interval(self, batch_size: int) -> int:
-        """Plain steps between probes at this batch size's bucket (see `plain_probe_intervals`)."""
-        return self.plain_probe_intervals.get(batch_bucket(batch_size), self.probe_interval)
+        """Plain steps between probes at this batch size's bucket (see `plain_probe_intervals`),
+        at least what keeps its probes' measured cost within `PROBE_SHARE` of the plain steps."""
+        bucket = batch_bucket(batch_size)
+        interval = self.plain_probe_intervals.get(bucket, self.probe_interval)
+        extra_steps = self.probe_costs.get(bucket, 0.0)
+        if self.probe_share <= 0.0 or extra_steps <= 0.0:
+            return interval
+        return max(interval, min(math.ceil(extra_steps / self.probe_share), 16 * self.probe_interval))
 
     def _streak_holds(self, plain_ms: float, draft_ms: float) -> bool:
         """Whether the streak under way keeps its choice this step (see `ceiling`)."""
@@ -260,6 +283,14 @@ class DraftGate:
         wider_ms = predicted_ms[wider] * self.residual.ratio(batch_size, wider)
         best_ms = predicted_ms[best] * self.residual.ratio(batch_size, best)
         return wider_ms <= WIDER_PROBE_MAX_COST * best_ms
+
+    def record_probe_ms(self, batch_size: int, step_ms: float) -> None:
+        """The wall time of the probe after plain steps the last `ceiling` chose (drafting its
+        requests' catch-up): what it cost above a plain step sets the bucket's next interval
+        (`PROBE_SHARE`). Nothing when the last ceiling was no such probe."""
+        if self._probe_plain_ms is not None and self._probe_plain_ms > 0.0:
+            self.probe_costs[batch_bucket(batch_size)] = max(step_ms / self._probe_plain_ms - 1.0, 0.0)
+        self._probe_plain_ms = None
 
     def record_step_ms(self, step_ms: float) -> None:
         """The wall time of the step the last `ceiling` decided: teaches that ceiling's ratio

@@ -66,6 +66,16 @@ nodes per update at batch 4, and probes (of drafting after plain steps, and of t
 of the drafting choice, whose trees are the gate's only news past its chosen width) and
 learning steps always teach."""
 
+LESSON_SHARE = 0.02
+"""Every drafted step teaches its nodes while a node lesson's host time is at most this share of
+a drafted step's wall time (on the CI CPU 0.1-0.2 ms of a 15 ms step at batch 1): where lessons
+are that cheap, one step in `NODE_LESSON_INTERVAL` only starved the calibrator, and a cold one
+forecast the first nodes of a tree at 0.7 where they were accepted 0.9 of the time, so the
+gate took ceiling 32 at c = 1 where 8 wins (the CPU's drafter is dear)."""
+
+LESSON_WEIGHT = 0.2
+"""EMA weight of the node lessons' host milliseconds and of the drafted steps' wall time."""
+
 DECIDING_MEAN_WEIGHT = 0.1
 """EMA weight of the recent mean deciding time per kind of step (module docstring)."""
 
@@ -114,6 +124,7 @@ class AdaptiveBudget:
         token_buckets: Sequence[int] | None = None,
         learning_steps: int = LEARNING_STEPS,
         graph_shapes: VerifyGraphShapes | None = None,
+        lesson_share: float = LESSON_SHARE,
     ) -> None:
         """`build`: the host build's cost (default: free, so only the forwards are priced).
         `token_buckets`: the tree tokens a graphed target pads each verify to (None: eager).
@@ -121,7 +132,9 @@ class AdaptiveBudget:
         each step's, recorded by the engine): they are the target's, so they go with the
         policy to any engine over it (a benchmark's engines share one calibrated policy).
         `learning_steps`: drafted steps taught to the calibrator before drafting may be judged
-        a loss (`LEARNING_STEPS`; 0: the gate judges from the first curve)."""
+        a loss (`LEARNING_STEPS`; 0: the gate judges from the first curve).
+        `lesson_share`: node lessons at every drafted step below this share of its time
+        (`LESSON_SHARE`; 0: one in `NODE_LESSON_INTERVAL` only)."""
         self.cost = cost
         self.build = build or BuildCost(0.0, 0.0, 0.0)
         self.calibrator = calibrator or AcceptanceCalibrator()
@@ -131,6 +144,9 @@ class AdaptiveBudget:
         self.graph_shapes = graph_shapes
         self.overhead = StepOverhead()
         self.learning_steps = learning_steps
+        self.lesson_share = lesson_share
+        self._lesson_ms = 0.0  # EMA: host ms of a node lesson (`learn`), 0 until one is timed
+        self._drafted_step_wall_ms = 0.0  # EMA: a drafted step's wall time, 0 until one is timed
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
         self._raw_probs = np.zeros((0, 0))  # the last chosen step's drafter probabilities [B, built]
         self._built_lengths = np.zeros(0, dtype=np.int64)  # its draft nodes built per request
@@ -386,6 +402,7 @@ class AdaptiveBudget:
             or self.gate.probing_neighbour
             or self._learning
             or self._num_drafted_steps % NODE_LESSON_INTERVAL == 0
+            or self._lessons_are_cheap()
         )
         if teaches_nodes:
             nodes = _DraftedNodes(
@@ -419,6 +436,11 @@ class AdaptiveBudget:
         self._catching_up = False
         return self.last_step
 
+    def _lessons_are_cheap(self) -> bool:
+        """Whether a node lesson costs at most `lesson_share` of a drafted step (`LESSON_SHARE`)."""
+        known = self._lesson_ms > 0.0 and self._drafted_step_wall_ms > 0.0
+        return known and self._lesson_ms <= self.lesson_share * self._drafted_step_wall_ms
+
     def learn(self) -> None:
         """Apply the last observed step's lesson, if it is still pending: the cost curve and the
         build cost from its timings, the calibrator from its verified nodes. The engine calls it
@@ -439,6 +461,13 @@ class AdaptiveBudget:
         nodes = lesson.nodes
         if nodes is None:
             return
+        started = time.perf_counter()
+        self._learn_nodes(lesson, nodes)
+        lesson_ms = 1000.0 * (time.perf_counter() - started)
+        self._lesson_ms += LESSON_WEIGHT * (lesson_ms - self._lesson_ms) if self._lesson_ms else lesson_ms
+
+    def _learn_nodes(self, lesson: "_Lesson", nodes: "_DraftedNodes") -> None:
+        """A drafted step's nodes: the gate's curve, the build cost and the calibrator."""
         rows = slice(None) if nodes.whole_rows is None else nodes.whole_rows  # all cut: no lesson
         self.gate.record_curve(nodes.raw_probs[rows], nodes.built_lengths[rows], self.calibrator.calibrate)
         if nodes.build_ms is not None:
@@ -468,7 +497,13 @@ class AdaptiveBudget:
             self._calibration_batch = []
 
     def record_step_ms(self, step_ms: float) -> None:
-        """The observed step's wall time (after its prefills): teaches the step overhead."""
+        """The observed step's wall time (after its prefills): teaches the step overhead, and a
+        probe after plain steps its cost (`DraftGate.record_probe_ms`)."""
+        if self.last_step is not None and self.last_step.drafted and self.probing:
+            self.gate.record_probe_ms(len(self.last_step.num_nodes), step_ms)
+        if self.last_step is not None and self.last_step.drafted:
+            wall = self._drafted_step_wall_ms
+            self._drafted_step_wall_ms = wall + LESSON_WEIGHT * (step_ms - wall) if wall else step_ms
         if self.last_step is not None and self._priced_ms is not None:
             self.overhead.observe(self.last_step.drafted, step_ms - self._priced_ms)
             drafted = self.last_step.drafted
