@@ -17,11 +17,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
 )
 from ddtree_serve.engine.budget.allocator import allocate_padded_rows, ceiling_rates
-from ddtree_serve.engine.budget.draft_gate import (
-    DRAFTED_RECHECK_STEPS,
-    MAX_DRAFTED_RECHECK_STEPS,
-    PROBE_SHARE,
-)
+from ddtree_serve.engine.budget.draft_gate import PROBE_SHARE
 from ddtree_serve.engine.budget.policy import (
     CALIBRATION_STEPS,
     DECIDING_MEAN_WEIGHT,
@@ -709,22 +705,3 @@ def test_a_dear_probe_keeps_the_next_away_in_proportion_to_its_cost():
         intervals[share, probe_ms] = gate.plain_probe_interval(1)
     assert intervals[PROBE_SHARE, 50.0] == min(math.ceil((50.0 / 5.0 - 1.0) / PROBE_SHARE), 64)
     assert intervals[PROBE_SHARE, 5.0] == intervals[0.0, 50.0] == 8  # doubled from 4
-
-
-def test_a_steady_drafting_streak_decides_again_ever_more_rarely():
-    """Each decision that keeps the ceiling doubles the steps to the next recheck, from
-    `DRAFTED_RECHECK_STEPS` up to `MAX_DRAFTED_RECHECK_STEPS`: a steady load pays for few
-    decisions (the neighbour probes are kept out of the way here)."""
-    gate = DraftGate(probe_interval=1000)
-    cost = linear_curve(fixed_ms=5.0, per_token_ms=0.01, draft_ms=0.5)
-    gate.ceiling([8, 8], cost, FREE_BUILD, "padded")  # the first decision, at ceiling 8
-    record_curve(gate, CONFIDENT, CONFIDENT)
-    gate.drafted_probe_interval = 10**6
-    decisions = []
-    for step in range(150):
-        assert gate.ceiling([8, 8], cost, FREE_BUILD, "padded") == 8
-        if not gate.held:
-            decisions.append(step)
-    gaps = [later - earlier for earlier, later in itertools.pairwise(decisions)]
-    # Kept at step 0 (16 steps held, then a recheck), kept again (32), and so on.
-    assert decisions[0] == 0 and gaps == [2 * DRAFTED_RECHECK_STEPS + 1] + [MAX_DRAFTED_RECHECK_STEPS + 1] * 4

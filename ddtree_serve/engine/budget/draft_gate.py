@@ -54,16 +54,7 @@ RECHECK_SHIFT = 0.05
 """A plain streak decides again once its plain step's predicted price moved this much (a share)."""
 
 DRAFTED_RECHECK_STEPS = 8
-"""A drafting streak over the same batch decides again after this many steps, doubling after
-each decision that kept its ceiling, up to `MAX_DRAFTED_RECHECK_STEPS`."""
-
-MAX_DRAFTED_RECHECK_STEPS = 32
-"""The longest a kept drafting streak goes undecided. A decision costs a weighing of every
-candidate ceiling and of the widths within the chosen one: on this CPU's replay of the H200's
-costs (`bench/fake_device.py`) 0.2-0.3 ms of host time over a settled step's, at c = 1 on one
-step in five (rechecks every 8 steps, probes every 16), and the adaptive step's host time
-was 0.2 ms over fixed-32's. A load that changes moves the prices (a recheck at once), the batch
-(a new bucket) or the probes' findings; a steady one keeps its answer."""
+"""A drafting streak over the same batch decides again after this many steps."""
 
 FIRST_PROBE_INTERVAL = 2
 """Drafted steps at a new batch bucket before the first probe of the choice's neighbours."""
@@ -137,8 +128,6 @@ class DraftGate:
         self._streak: tuple[int, int] | None = None
         self._streak_choice = 0
         self._streak_age = 0
-        self._recheck_steps = DRAFTED_RECHECK_STEPS  # the streak's steps before it decides again
-        self._last_decision: tuple[tuple[int, int], int] | None = None  # (streak key, ceiling)
         self._streak_ms = 0.0
         self._streak_batch = 0  # the batch size the streak was decided at
         self._streak_prices = (0.0, 0.0)  # plain step and drafter call, predicted when decided
@@ -243,12 +232,6 @@ class DraftGate:
             # step verifies its trees whole, wider than priced: neither teaches a ratio.
             self._decided = (batch_size, chosen, predicted_ms[chosen])
         # A probe, or the first step, is its own decision; the best choice starts a streak.
-        if not (probe_due or learning):  # a decision: did it keep the last one's ceiling?
-            kept = chosen > 0 and self._last_decision == (streak, chosen)
-            self._recheck_steps = (
-                min(2 * self._recheck_steps, MAX_DRAFTED_RECHECK_STEPS) if kept else DRAFTED_RECHECK_STEPS
-            )
-            self._last_decision = (streak, chosen)
         self._streak = streak if not (probe_due or learning) and self._decided is not None else None
         self._streak_choice, self._streak_age, self._streak_batch = chosen, 0, batch_size
         self._streak_ms = predicted_ms.get(chosen, 0.0)
@@ -275,7 +258,7 @@ class DraftGate:
             interval = self.plain_probe_interval(self._streak_batch)
             return self.steps_since_probe < interval and not moved[0]
         due = self.steps_since_probe >= self.drafted_probe_interval
-        return not due and not any(moved) and self._streak_age < self._recheck_steps
+        return not due and not any(moved) and self._streak_age < DRAFTED_RECHECK_STEPS
 
     def _probe_ceiling(self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float]) -> int:
         """A drafting probe's ceiling: alternately twice the choice (the curve past it stays
