@@ -6,7 +6,7 @@
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
 # graph chain overlap direct sockets steps ttft ttft_direct ttft_sockets fake features
-# features_test (default: nvidia budget hops serve).
+# features_test gate (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
 set -uo pipefail
@@ -61,6 +61,8 @@ for stage in "${STAGES[@]}"; do
     budget256) run budget256 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 256 --max-seq-len 1024 --out-dir /tmp/budget256 --traces /tmp/budget256/traces.json
       cp /tmp/budget256/budget_sweep.json "$OUT/budget256_sweep.json" ;;  # plot it with --replot
+    gate) run gate 200 python3 bench/gate_diagnosis.py --device cuda --dtype bfloat16 \
+      --concurrency 1,16,64 --max-tokens 64 --out-dir /tmp/gate ;;
     fake) run fake 150 python3 bench/fake_device.py --concurrency 1 4 16 64 --repeats 2 ;;
     features) run features 150 python3 bench/feature_delivery.py --batch-sizes 1 16 64 --repeats 30 ;;
     features_test) run features_test 300 python3 -m pytest -q -p no:cacheprovider tests/serve/test_device_features.py ;;
