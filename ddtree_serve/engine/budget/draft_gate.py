@@ -96,10 +96,8 @@ class DraftGate:
         # kept): doubled after each probe that found drafting still a loss at that bucket (a
         # probe pays the drafter's catch-up on every context it skipped), up to 16x.
         self.plain_probe_intervals: dict[int, int] = {}
-        # Per batch bucket, the last probe's extra wall time in plain steps (`PROBE_SHARE`), and
-        # the predicted plain step of the probe under way (None: the last ceiling was no probe).
+        # Per batch bucket, the last probe's extra wall time in plain steps (`PROBE_SHARE`).
         self.probe_costs: dict[int, float] = {}
-        self._probe_plain_ms: float | None = None
         # Drafted steps before the next probe of the neighbouring ceilings: from
         # `FIRST_PROBE_INTERVAL` when the batch moves to a bucket not drafted at before (a new
         # load, whose step-time ratios are its own), doubled after each probe, up to
@@ -220,11 +218,10 @@ class DraftGate:
                 self._drafted_probe_intervals[streak[0]] = self.drafted_probe_interval
         self.probing = best == 0 and chosen > 0
         self.probing_neighbour = best > 0 and chosen != best
-        self._probe_plain_ms = plain_ms if self.probing else None
         if best > 0:
             self.plain_probe_intervals.pop(streak[0], None)
         elif chosen > 0:
-            self.plain_probe_intervals[streak[0]] = min(2 * plain_interval, 16 * self.probe_interval)
+            self.plain_probe_intervals[streak[0]] = min(2 * plain_interval, self._longest_plain_interval)
         # A due probe restarts the count even when it could take no other ceiling (a cap of 1).
         self.steps_since_probe = 0 if probe_due else self.steps_since_probe + 1
         if not self.probing and not learning and chosen in predicted_ms:
@@ -246,7 +243,12 @@ class DraftGate:
         extra_steps = self.probe_costs.get(bucket, 0.0)
         if self.probe_share <= 0.0 or extra_steps <= 0.0:
             return interval
-        return max(interval, min(math.ceil(extra_steps / self.probe_share), 16 * self.probe_interval))
+        return max(interval, min(math.ceil(extra_steps / self.probe_share), self._longest_plain_interval))
+
+    @property
+    def _longest_plain_interval(self) -> int:
+        """The most plain steps between probes at a bucket: 16x `probe_interval`."""
+        return 16 * self.probe_interval
 
     def _streak_holds(self, plain_ms: float, draft_ms: float) -> bool:
         """Whether the streak under way keeps its choice this step (see `ceiling`)."""
@@ -287,10 +289,11 @@ class DraftGate:
     def record_probe_ms(self, batch_size: int, step_ms: float) -> None:
         """The wall time of the probe after plain steps the last `ceiling` chose (drafting its
         requests' catch-up): what it cost above a plain step sets the bucket's next interval
-        (`PROBE_SHARE`). Nothing when the last ceiling was no such probe."""
-        if self._probe_plain_ms is not None and self._probe_plain_ms > 0.0:
-            self.probe_costs[batch_bucket(batch_size)] = max(step_ms / self._probe_plain_ms - 1.0, 0.0)
-        self._probe_plain_ms = None
+        (`PROBE_SHARE`), against the plain step priced when the probe was chosen. Nothing when
+        the last ceiling was no such probe."""
+        plain_ms = self._streak_prices[0]  # set by every decision, the probe's included
+        if self.probing and plain_ms > 0.0:
+            self.probe_costs[batch_bucket(batch_size)] = max(step_ms / plain_ms - 1.0, 0.0)
 
     def record_step_ms(self, step_ms: float) -> None:
         """The wall time of the step the last `ceiling` decided: teaches that ceiling's ratio

@@ -463,8 +463,7 @@ class AdaptiveBudget:
             return
         started = time.perf_counter()
         self._learn_nodes(lesson, nodes)
-        lesson_ms = 1000.0 * (time.perf_counter() - started)
-        self._lesson_ms += LESSON_WEIGHT * (lesson_ms - self._lesson_ms) if self._lesson_ms else lesson_ms
+        self._lesson_ms = _ema_from_first(self._lesson_ms, 1000.0 * (time.perf_counter() - started))
 
     def _learn_nodes(self, lesson: "_Lesson", nodes: "_DraftedNodes") -> None:
         """A drafted step's nodes: the gate's curve, the build cost and the calibrator."""
@@ -499,11 +498,9 @@ class AdaptiveBudget:
     def record_step_ms(self, step_ms: float) -> None:
         """The observed step's wall time (after its prefills): teaches the step overhead, and a
         probe after plain steps its cost (`DraftGate.record_probe_ms`)."""
-        if self.last_step is not None and self.last_step.drafted and self.probing:
-            self.gate.record_probe_ms(len(self.last_step.num_nodes), step_ms)
         if self.last_step is not None and self.last_step.drafted:
-            wall = self._drafted_step_wall_ms
-            self._drafted_step_wall_ms = wall + LESSON_WEIGHT * (step_ms - wall) if wall else step_ms
+            self.gate.record_probe_ms(len(self.last_step.num_nodes), step_ms)  # a probe's only
+            self._drafted_step_wall_ms = _ema_from_first(self._drafted_step_wall_ms, step_ms)
         if self.last_step is not None and self._priced_ms is not None:
             self.overhead.observe(self.last_step.drafted, step_ms - self._priced_ms)
             drafted = self.last_step.drafted
@@ -515,6 +512,11 @@ class AdaptiveBudget:
                 self.gate.record_step_ms(step_ms - self._deciding_ms + mean)
         self._priced_ms = None
         self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing
+
+
+def _ema_from_first(mean: float, sample: float) -> float:
+    """`LESSON_WEIGHT`'s EMA of milliseconds, its first sample taken whole (0: none yet)."""
+    return mean + LESSON_WEIGHT * (sample - mean) if mean else sample
 
 
 @dataclass(frozen=True)
