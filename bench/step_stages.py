@@ -36,12 +36,17 @@ import ddtree_serve.engine.spec_engine as spec_engine_module
 import ddtree_serve.engine.tree_builder as tree_builder_module
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
+from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.models import load_tokenizer
+from ddtree_serve.tree import TreeBatch
 
 ENGINE_STAGES = ("_prefill", "_serial_draft", "_build", "_verify", "_append", "_postprocess")
-POLICY_CALLS = ("plan", "choose", "learn", "observe")
+POLICY_CALLS = ("plan", "choose", "learn", "observe", "record_step_ms")
+BUILD_PARTS = ("build_host_tree_batch", "allowed_buckets", "verify_batch")
+"""Parts of the adaptive build stage timed on their own (the host tree, the captured graphs it
+may run, the verify buffers)."""
 
 
 class StageClock:
@@ -98,6 +103,9 @@ def build_engines(
     clock.wrap(drafter, "draft", "drafter.draft")
     for module in (spec_engine_module, tree_builder_module):  # the adaptive draft's, the build's
         clock.wrap(module, "topk_on_host", "topk_on_host")
+    clock.wrap(spec_engine_module, "build_host_tree_batch", "build_host_tree_batch")
+    clock.wrap(VerifyGraphShapes, "allowed_buckets", "allowed_buckets")
+    clock.wrap(TreeBatch, "verify_batch", "verify_batch")
     return engines, [tokenizer.encode(p).ids for p in PROMPTS]
 
 
@@ -166,7 +174,8 @@ def step_kind(engine: SpecEngine, stages: dict[str, float], calibrations_before:
 
 
 def summarize(name: str, records: list[dict[str, Any]], slowest: int) -> list[str]:
-    """Mean ms and count per step kind, then the `slowest` steps with their largest stages."""
+    """Mean ms and count per step kind, each kind's mean stages, then the `slowest` steps with
+    their largest stages."""
     kinds: dict[str, list[float]] = defaultdict(list)
     for record in records:
         kinds[record["kind"]].append(record["ms"])
@@ -177,6 +186,12 @@ def summarize(name: str, records: list[dict[str, Any]], slowest: int) -> list[st
             for kind, ms in sorted(kinds.items())
         )
     ]
+    for kind in sorted(kinds):
+        of_kind = [r["stages"] for r in records if r["kind"] == kind]
+        labels = sorted({label for stages in of_kind for label in stages})
+        means = {label: statistics.fmean(s.get(label, 0.0) for s in of_kind) for label in labels}
+        parts = ", ".join(f"{label} {ms:.3f}" for label, ms in sorted(means.items(), key=lambda i: -i[1]))
+        lines.append(f"  mean {kind}: {parts}")
     for record in sorted(records, key=lambda r: -r["ms"])[:slowest]:
         top = sorted(record["stages"].items(), key=lambda item: -item[1])[:6]
         parts = ", ".join(f"{label} {ms:.2f}" for label, ms in top)

@@ -534,8 +534,10 @@ class SpecEngine:
         roots = [_bonus(r) for r in requests]
         whole = build_host_tree_batch(draft.logp, draft.ids, widest[:drafted], roots[:drafted])
         whole = whole.with_root_only(roots[drafted:])
-        built = whole.within_depth(keepable)
-        allocation = policy.choose(built, caps, captured, cut_rows=built.num_nodes < whole.num_nodes)
+        # No tree is deeper than the drafter's block: most steps, no request is near its end.
+        built = whole if min(keepable, default=0) >= self.block_size else whole.within_depth(keepable)
+        cut_rows = None if built is whole else built.num_nodes < whole.num_nodes
+        allocation = policy.choose(built, caps, captured, cut_rows=cut_rows)
         trees = built.prefix(allocation.num_nodes)
         padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)
         batch = BuiltTrees(trees.verify_batch(n_max=padded), trees.num_nodes.tolist(), trees)

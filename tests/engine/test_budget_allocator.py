@@ -24,6 +24,7 @@ from ddtree_serve.engine.budget.policy import (
     EARLY_CALIBRATIONS,
     LEARNING_STEPS,
     NODE_LESSON_INTERVAL,
+    SETTLED_LESSON_INTERVAL,
 )
 from ddtree_serve.tree import TreeBatch, build_ddtree, draft_topk
 
@@ -384,13 +385,14 @@ def test_the_gates_ceiling_rates_are_the_allocators(seed):
 
 def test_the_calibrator_learns_the_first_steps_at_once_then_in_batches():
     """The first drafted steps are much of what the calibrator knows: each is learned at once;
-    later, one step in `NODE_LESSON_INTERVAL` teaches its nodes, and those four at a time (one
-    update and one refit): the lesson's host work is a tenth of a fast step."""
+    later, one step in `NODE_LESSON_INTERVAL` (`SETTLED_LESSON_INTERVAL` in a settled streak)
+    teaches its nodes, and those four at a time (one update and one refit): the lesson's host
+    work is a tenth of a fast step."""
     tree = TreeBatch.from_trees([build_ddtree(*random_draft(0), 8, root_token=7)])
     policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), lesson_share=0.0)
     probe = np.exp(tree.logws[0, 1:2])
     calibrated = []
-    for _ in range(EARLY_CALIBRATIONS + CALIBRATION_STEPS * NODE_LESSON_INTERVAL):
+    for _ in range(EARLY_CALIBRATIONS + CALIBRATION_STEPS * SETTLED_LESSON_INTERVAL):
         # A cap of one node: no neighbouring ceiling to probe, whose steps would teach out of turn.
         policy.plan([1])
         policy.record_draft_ms(1.0)
@@ -403,7 +405,10 @@ def test_the_calibrator_learns_the_first_steps_at_once_then_in_batches():
         calibrated.append(float(policy.calibrator.calibrate(probe)[0]))
     early, batched = calibrated[:EARLY_CALIBRATIONS], calibrated[EARLY_CALIBRATIONS:]
     assert all(later > earlier for earlier, later in itertools.pairwise(early))  # each one learned
-    assert batched[:-1] == [early[-1]] * (len(batched) - 1) and batched[-1] > early[-1]
+    # One update in the batched steps, after at least `CALIBRATION_STEPS` lessons.
+    updates = [i for i, (a, b) in enumerate(itertools.pairwise([early[-1], *batched])) if b != a]
+    assert len(updates) == 1 and batched[updates[0]] > early[-1]
+    assert updates[0] >= CALIBRATION_STEPS * NODE_LESSON_INTERVAL - 1
 
 
 def test_the_first_drafted_steps_teach_the_calibrator_before_drafting_is_judged():
@@ -482,14 +487,16 @@ def test_a_probe_of_the_neighbouring_ceilings_always_teaches_the_gates_curve():
         allocation = policy.choose(tree.prefix([ceiling]), [32])
         policy.record_verify_ms(4.0 + 0.05 * (sum(allocation.num_nodes) + 1))
         policy.observe(tree.prefix(allocation.num_nodes), [[1]])
-        turn = policy._num_drafted_steps % NODE_LESSON_INTERVAL == 0  # a node lesson's turn anyway
+        interval = SETTLED_LESSON_INTERVAL if policy.settled else NODE_LESSON_INTERVAL
+        turn = policy._num_drafted_steps % interval == 0  # a node lesson's turn anyway
         before = None if policy.gate.curve is None else policy.gate.curve.copy()
         policy.learn()
         if step >= EARLY_CALIBRATIONS and before is not None:
             moved = len(before) != len(policy.gate.curve) or not np.allclose(before, policy.gate.curve)
             taught[probe].append((moved, turn))
     assert taught[True] and all(moved for moved, _ in taught[True])
-    # The others teach exactly on their turn, one drafted step in `NODE_LESSON_INTERVAL`.
+    # The others teach exactly on their turn, one drafted step in `NODE_LESSON_INTERVAL` (in
+    # `SETTLED_LESSON_INTERVAL` at a settled streak's).
     assert len(taught[False]) > NODE_LESSON_INTERVAL and all(moved == turn for moved, turn in taught[False])
 
 
@@ -595,7 +602,8 @@ def test_only_unsettled_steps_and_node_lessons_teach_the_cost_curve(monkeypatch)
     def recording_observe(*args, **kwargs):
         step = observe(*args, **kwargs)
         lesson = policy._lesson
-        node_turn = policy._num_drafted_steps % NODE_LESSON_INTERVAL == 0
+        interval = SETTLED_LESSON_INTERVAL if policy.settled else NODE_LESSON_INTERVAL
+        node_turn = policy._num_drafted_steps % interval == 0
         taught = lesson is not None and lesson.verify_ms is not None
         lessons.setdefault((policy.settled, node_turn), []).append(taught)
         return step
