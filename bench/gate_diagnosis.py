@@ -16,6 +16,7 @@ would cost every step), so this is a diagnostic, not a benchmark: its timings ca
 
 import statistics
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import budget_sweep  # the sweep this wraps
 
 from ddtree_serve.engine.budget import AdaptiveBudget, DraftGate
 from ddtree_serve.engine.budget.step_residual import batch_bucket
+from ddtree_serve.engine.spec_engine import SpecEngine
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class StepRecord:
 
 
 decisions: dict[int, list[Decision]] = defaultdict(list)
+# (configuration, batch bucket) -> (tokens, ms) of each fixed-budget or plain step without prefills
+fixed_steps: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
 steps: dict[tuple[int, int], list[StepRecord]] = defaultdict(list)
 policies: list[AdaptiveBudget] = []
 
@@ -93,6 +97,19 @@ def hook() -> None:
         init(self, *args, **kwargs)
         policies.append(self)
 
+    engine_step = SpecEngine.step
+
+    def stepped(self: SpecEngine) -> list:
+        if self.budget_policy is not None or self.num_waiting:  # adaptive, or a prefill step
+            return engine_step(self)
+        batch_size, started = self.num_running, time.perf_counter()
+        outputs = engine_step(self)
+        ms = 1000.0 * (time.perf_counter() - started)
+        name = f"{self.settings.mode}-{self.settings.budget}" if self.drafter is not None else "ar"
+        fixed_steps[(name, batch_bucket(batch_size))].append((sum(o.num_new_tokens for o in outputs), ms))
+        return outputs
+
+    SpecEngine.step = stepped  # type: ignore[method-assign]
     DraftGate._drafted_ceilings = priced  # type: ignore[method-assign]
     AdaptiveBudget.observe = observed  # type: ignore[method-assign]
     AdaptiveBudget.record_step_ms = recorded  # type: ignore[method-assign]
@@ -113,7 +130,7 @@ def report(last: int = 20) -> list[str]:
                 f"{statistics.mean(d.ratios[j] for d in rows):4.2f}, "
                 f"forecast {statistics.mean(d.tokens[j] for d in rows):7.2f} tokens"
             )
-    lines.append("== adaptive steps by (batch bucket, ceiling)")
+    lines.append("== adaptive steps by (batch bucket, ceiling): tokens (forecast), ms, tokens/ms")
     for (bucket, ceiling), records in sorted(steps.items()):
         settled = sum(r.settled for r in records)
         tokens = statistics.mean(r.tokens for r in records)
@@ -121,7 +138,15 @@ def report(last: int = 20) -> list[str]:
         ms = statistics.mean(r.ms for r in records)
         lines.append(
             f"  bucket {bucket:3d} ceiling {ceiling:3d}: {len(records):4d} steps ({settled} settled), "
-            f"tokens {tokens:7.2f} (forecast {forecast:7.2f}), {ms:6.2f} ms"
+            f"tokens {tokens:7.2f} (forecast {forecast:7.2f}), {ms:6.2f} ms, {tokens / ms:6.2f} tokens/ms"
+        )
+    lines.append("== fixed-budget and plain steps by batch bucket (no prefill): tokens, ms, tokens/ms")
+    for (name, bucket), records in sorted(fixed_steps.items(), key=lambda item: (item[0][1], item[0][0])):
+        tokens = statistics.mean(t for t, _ in records)
+        ms = statistics.mean(m for _, m in records)
+        lines.append(
+            f"  bucket {bucket:3d} {name:10s}: {len(records):4d} steps, tokens {tokens:7.2f}, "
+            f"{ms:6.2f} ms, {tokens / ms:6.2f} tokens/ms"
         )
     if policies:
         lines += _calibration(policies[0])
