@@ -163,6 +163,27 @@ def test_a_new_batch_bucket_is_not_probed_at_once():
     assert gate.ceiling([16, 16, 16], cost, FREE_BUILD, "padded") == best and not gate.probing
 
 
+def test_the_step_after_a_neighbour_probe_resumes_the_choice_unless_the_probe_moved_its_price():
+    """Every step costs what the models say: a probe of the choice's neighbours leaves their
+    prices where they were, so the next step holds the choice undecided (a decision costs a few
+    tenths of a millisecond on the H200's host). A probe step that cost twice its prediction
+    moves its ceiling's price: the next step decides."""
+    for slow_probe in (False, True):
+        gate = DraftGate(probe_interval=3)
+        gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+        cost = flat_cost(verify_ms=4.0, draft_ms=1.0)
+        for _ in range(40):
+            choice = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
+            probe = gate.probing_neighbour
+            gate.record_step_ms(10.0 if probe and slow_probe else 5.0)
+            if probe and gate.steps_since_probe == 0 and choice != 16:
+                break
+        assert probe and choice != 16  # a neighbour probe, the choice 16
+        after = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
+        assert after == 16
+        assert gate.held != slow_probe  # held undecided, or decided again
+
+
 def test_the_step_after_a_probe_decides_with_what_the_probe_saw():
     """A probe's trees reach the gate's curve before the next decision: else the plain streak
     the gate starts then would run a whole probe interval past what the probe found."""

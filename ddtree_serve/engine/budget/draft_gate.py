@@ -162,12 +162,19 @@ class DraftGate:
         if cap <= 0:
             return 0
         batch_size = len(caps)
-        plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
+        plain_ms, draft_ms = _prices(batch_size, cost, overhead)
         # Requests finishing one by one keep a streak, and so do caps shrinking within their
-        # power of two (the engine caps each request at the draft tokens it can still keep).
+        # power of two (the engine caps each request at the draft tokens it can still keep). Its
+        # prices are read at the batch it was decided at: they move when the cost curve learns,
+        # not when requests finish within the bucket.
         streak = (batch_bucket(batch_size), batch_bucket(cap))
-        draft_ms = cost.draft_ms(batch_size)
-        if streak == self._streak and self._streak_holds(plain_ms, draft_ms):
+        holds = False
+        if streak == self._streak:
+            same_batch = batch_size == self._streak_batch
+            holds = self._streak_holds(
+                *((plain_ms, draft_ms) if same_batch else _prices(self._streak_batch, cost, overhead))
+            )
+        if holds:
             # A streak over the same batch keeps its choice until its probe is due, and decides
             # again when a plain step's price moved (without a draft the curve stands still),
             # or, drafting, when the drafter's did or the streak is `DRAFTED_RECHECK_STEPS`
@@ -228,10 +235,17 @@ class DraftGate:
             # A probe after plain steps drafts a few requests only, catching up, and a learning
             # step verifies its trees whole, wider than priced: neither teaches a ratio.
             self._decided = (batch_size, chosen, predicted_ms[chosen])
-        # A probe, or the first step, is its own decision; the best choice starts a streak.
-        self._streak = streak if not (probe_due or learning) and self._decided is not None else None
-        self._streak_choice, self._streak_age, self._streak_batch = chosen, 0, batch_size
-        self._streak_ms = predicted_ms.get(chosen, 0.0)
+        # A probe after plain steps, or the first step, is its own decision; the best choice
+        # starts a streak, and so does a probe of its neighbours, which the next step resumes
+        # without deciding unless the probe's step moved its ceiling's price (`record_step_ms`):
+        # a decision there would not know the probe's trees yet (learned during the next step's
+        # work), and in the fake-device sweep at c = 64 the steps after probes were a tenth of
+        # all, each deciding for a few tenths of a millisecond on the H200's host.
+        resumes = (not probe_due or self.probing_neighbour) and not learning
+        self._streak = streak if resumes and self._decided is not None else None
+        choice = best if self.probing_neighbour else chosen
+        self._streak_choice, self._streak_age, self._streak_batch = choice, 0, batch_size
+        self._streak_ms = predicted_ms.get(choice, 0.0)
         self._streak_prices = (plain_ms, draft_ms)
         return chosen
 
@@ -297,10 +311,15 @@ class DraftGate:
 
     def record_step_ms(self, step_ms: float) -> None:
         """The wall time of the step the last `ceiling` decided: teaches that ceiling's ratio
-        (the policy gives none of a step whose draft caught up on context)."""
+        (the policy gives none of a step whose draft caught up on context). A probe of the
+        choice's neighbours whose step moved its ceiling's ratio by more than `RECHECK_SHIFT`
+        ends the streak it would resume: the next step decides with that price."""
         if self._decided is not None:
             batch_size, ceiling, predicted_ms = self._decided
+            before = self.residual.ratio(batch_size, ceiling) if self.probing_neighbour else 0.0
             self.residual.observe(batch_size, ceiling, predicted_ms, step_ms)
+            if before and abs(self.residual.ratio(batch_size, ceiling) - before) > RECHECK_SHIFT * before:
+                self._streak = None
         self._decided = None
 
     def _drafted_ceilings(
@@ -374,6 +393,11 @@ class DraftGate:
             # its gain, and the next probe is a probe interval away.
             self.curve = np.concatenate((self.curve, step_curve[known:]))
             self.spread = np.concatenate((self.spread, step_spread[known:]))
+
+
+def _prices(batch_size: int, cost: StepCost, overhead: StepOverhead) -> tuple[float, float]:
+    """A plain step's and the drafter call's predicted milliseconds at this batch size."""
+    return float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms, cost.draft_ms(batch_size)
 
 
 def _nodes_built(caps: Sequence[int], ceilings: Sequence[int]) -> np.ndarray:
