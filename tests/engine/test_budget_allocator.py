@@ -569,6 +569,34 @@ def test_a_settled_streak_keeps_its_trees_whole_without_weighing_widths(monkeypa
     assert not any(r["settled"] for r in records[:EARLY_CALIBRATIONS])
 
 
+def test_a_settled_steps_forecast_is_worked_out_when_read_with_the_map_it_was_chosen_with(monkeypatch):
+    """A settled step leaves its forecast to whoever reads it (metrics, spans): read after the
+    calibrator has refit, it is still the calibrated sum of its nodes as `choose` saw them."""
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
+    run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 12, cost_per_node=0.0)
+    for step in range(100):  # steps until one is settled
+        tree = TreeBatch.from_trees([build_ddtree(*random_draft(100 + step, depth=6, k=8), 8, root_token=7)])
+        ceiling = policy.plan([8])
+        policy.record_draft_ms(1.0)
+        built = tree.prefix([ceiling])
+        allocation = policy.choose(built, [8])
+        if policy.settled:
+            break
+        policy.record_verify_ms(4.0)
+        policy.observe(built.prefix(allocation.num_nodes), [[1]])
+        policy.record_step_ms(5.0)
+    assert policy.settled and ceiling > 0
+    nodes = np.exp(built.logws[0, 1 : 1 + allocation.num_nodes[0]])
+    chosen_with = float(policy.calibrator.calibrate(nodes).sum())
+    policy.record_verify_ms(4.0)
+    record = policy.observe(built.prefix(allocation.num_nodes), [[]])
+    policy.calibrator.observe(nodes, np.zeros(len(nodes)))  # none accepted: the map falls
+    policy.calibrator.refresh()
+    assert float(policy.calibrator.calibrate(nodes).sum()) < chosen_with
+    assert allocation.expected_accepted[0] == pytest.approx(chosen_with)
+    assert record.predicted_per_request == allocation.expected_accepted
+
+
 def test_a_settled_step_takes_its_ceilings_last_weighed_width(monkeypatch):
     """Nodes cost so much that most weighings keep only the likeliest few: a settled step takes
     the width the last weighing at its ceiling took (its count where it cut the tree, the whole

@@ -55,9 +55,7 @@ def test_phase_spans_carry_the_budget_the_step_chose_and_its_forecast(tmp_path: 
     telemetry = GroupTelemetry(
         ObservabilityConfig(metrics=False, tracing=tracing), block_size=8, tree_budget=16
     )
-    budget = BudgetStep(
-        drafted=True, num_nodes=(12, 3), predicted_per_request=(2.5, 0.75), accepted_per_request=(1, 1)
-    )
+    budget = BudgetStep(drafted=True, num_nodes=(12, 3), forecast=(2.5, 0.75), accepted_per_request=(1, 1))
     intervals = {"draft": (1_000, 2_000), "verify": (2_000, 4_000)}
     with telemetry.request_span("a", "a#0", {}, num_prompt_tokens=3):
         telemetry.on_step(StepRecord(1, intervals, [_output("a#0")], {"a#0": 2}, budget=budget))
@@ -92,14 +90,10 @@ def test_budget_metrics_record_nodes_per_request_and_the_forecast_of_drafted_ste
     for name, recorder in recorded.items():
         setattr(group_metrics, name, recorder)
     group_metrics.record_budget(
-        BudgetStep(
-            drafted=True, num_nodes=(16, 4), predicted_per_request=(3.0, 0.5), accepted_per_request=(2, 1)
-        )
+        BudgetStep(drafted=True, num_nodes=(16, 4), forecast=(3.0, 0.5), accepted_per_request=(2, 1))
     )
     group_metrics.record_budget(
-        BudgetStep(
-            drafted=False, num_nodes=(0, 0), predicted_per_request=(0.0, 0.0), accepted_per_request=(0, 0)
-        )
+        BudgetStep(drafted=False, num_nodes=(0, 0), forecast=(0.0, 0.0), accepted_per_request=(0, 0))
     )
     assert recorded["budget_nodes"].values == [16, 4, 0, 0]
     assert recorded["budget_no_draft_steps"].values == [1]  # the plain step only

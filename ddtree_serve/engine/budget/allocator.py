@@ -18,7 +18,7 @@ target draws any coin, and every tree verified is a prefix of a valid best-first
 """
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -40,8 +40,15 @@ class Allocation:
     """Draft nodes per request (root excluded; 0 = root only) and what the choice predicts."""
 
     num_nodes: tuple[int, ...]
-    expected_accepted: tuple[float, ...]  # calibrated expected accepted draft tokens per request
+    # Calibrated expected accepted draft tokens per request, or how to work them out when first
+    # read (`expected_accepted`): a settled step's choice leaves them to whoever reads them.
+    forecast: tuple[float, ...] | Callable[[], tuple[float, ...]]
     step_ms: float  # predicted drafter + verify milliseconds
+
+    @functools.cached_property
+    def expected_accepted(self) -> tuple[float, ...]:
+        """Calibrated expected accepted draft tokens per request."""
+        return self.forecast() if callable(self.forecast) else self.forecast
 
     @property
     def expected_tokens(self) -> float:
@@ -178,7 +185,7 @@ def allocate_padded_rows(
     num_nodes = np.minimum(widths[best], lengths)
     return Allocation(
         num_nodes=tuple(num_nodes.tolist()),
-        expected_accepted=tuple(cumulative[np.arange(batch_size), num_nodes].tolist()),
+        forecast=tuple(cumulative[np.arange(batch_size), num_nodes].tolist()),
         step_ms=float(step_ms[best]),
     )
 
@@ -201,7 +208,7 @@ def _candidate_widths(max_width: int, token_buckets: tuple[int, ...] | None) -> 
 def _allocation(probs: list[np.ndarray], num_nodes: np.ndarray, step_ms: float) -> Allocation:
     return Allocation(
         num_nodes=tuple(int(n) for n in num_nodes),
-        expected_accepted=tuple(float(p[:n].sum()) for p, n in zip(probs, num_nodes, strict=True)),
+        forecast=tuple(float(p[:n].sum()) for p, n in zip(probs, num_nodes, strict=True)),
         step_ms=step_ms,
     )
 

@@ -23,6 +23,9 @@ value interpolates them linearly: a monotone map keeps each tree's best-first or
 prefix stays ancestor-closed.
 """
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 
 from ddtree_serve.engine.budget.isotonic import isotonic_increasing
@@ -88,6 +91,12 @@ class AcceptanceCalibrator:
         probs = np.asarray(drafter_probs, dtype=np.float64)
         table_probs, table_rates = self._interpolation_table()
         return np.interp(probs, table_probs, table_rates)
+
+    def frozen(self) -> Callable[[np.ndarray], np.ndarray]:
+        """`calibrate` as the map stands now, kept through later refits: a forecast worked out
+        after more lessons still reads the map its step was chosen with."""
+        table_probs, table_rates = self._interpolation_table()
+        return functools.partial(np.interp, xp=table_probs, fp=table_rates)
 
     def expected_accepted(self, drafter_probs: np.ndarray) -> float:
         """Expected accepted draft tokens of a tree holding nodes of these probabilities."""

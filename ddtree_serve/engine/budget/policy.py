@@ -35,8 +35,9 @@ overhead the predictions add holds it. The build's price learns the build stage 
 `choose` for the same reason.
 """
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,9 +99,16 @@ class BudgetStep:
 
     drafted: bool
     num_nodes: tuple[int, ...]  # draft nodes verified per request
-    predicted_per_request: tuple[float, ...]  # calibrated expected accepted draft tokens (0: no draft)
+    # Calibrated expected accepted draft tokens per request (0: no draft), or how to work them
+    # out when first read (`predicted_per_request`): a settled step's, which only metrics read.
+    forecast: tuple[float, ...] | Callable[[], tuple[float, ...]]
     accepted_per_request: tuple[int, ...]  # draft tokens verification accepted
     ceiling: int = 0  # draft nodes per tree the step built at most (0: a plain step)
+
+    @functools.cached_property
+    def predicted_per_request(self) -> tuple[float, ...]:
+        """Calibrated expected accepted draft tokens per request (0: no draft)."""
+        return self.forecast() if callable(self.forecast) else self.forecast
 
     @property
     def predicted_accepted(self) -> float:
@@ -155,7 +163,10 @@ class AdaptiveBudget:
         self._lesson_ms = 0.0  # EMA: host ms of a node lesson (`learn`), 0 until one is timed
         self._drafted_step_wall_ms = 0.0  # EMA: a drafted step's wall time, 0 until one is timed
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
-        self._raw_probs = np.zeros((0, 0))  # the last chosen step's drafter probabilities [B, built]
+        # The last chosen step's drafter probabilities [B, built] (None: a settled step's, from
+        # its log-weights `_settled_logws` when a lesson reads them).
+        self._raw_probs: np.ndarray | None = np.zeros((0, 0))
+        self._settled_logws = np.zeros((0, 0))
         self._built_lengths = np.zeros(0, dtype=np.int64)  # its draft nodes built per request
         self._whole_rows: np.ndarray | None = None  # [B] its rows no request's end cut (None: all)
         self.last_step: BudgetStep | None = None
@@ -360,11 +371,14 @@ class AdaptiveBudget:
         batch_size = len(lengths)
         num_nodes = np.minimum(lengths, width)
         widest = int(num_nodes.max(initial=0))
-        raw = np.exp(trees.logws[:, 1 : 1 + widest]) * (np.arange(widest) < num_nodes[:, None])
-        self._raw_probs, self._built_lengths, self._whole_rows = raw, num_nodes, None
+        logws = trees.logws[:, 1 : 1 + widest]
+        # The drafter's probabilities, and the forecast from them, are worked out only where
+        # read: by a node lesson (one settled step in `SETTLED_LESSON_INTERVAL`), by metrics.
+        self._raw_probs, self._built_lengths, self._whole_rows = None, num_nodes, None
+        self._settled_logws = logws
         return Allocation(
             num_nodes=tuple(num_nodes.tolist()),
-            expected_accepted=tuple(self.calibrator.calibrate(raw).sum(axis=1).tolist()),
+            forecast=functools.partial(_forecast, logws, num_nodes, self.calibrator.frozen()),
             step_ms=self._drafted_step_ms(batch_size)
             + float(self.cost.verify_ms(batch_size, batch_size * (widest + 1))),
         )
@@ -394,9 +408,7 @@ class AdaptiveBudget:
         self.last_step = BudgetStep(
             drafted=drafted,
             num_nodes=tuple(verified),
-            predicted_per_request=(
-                self._allocation.expected_accepted if self._allocation is not None else (0.0,) * batch_size
-            ),
+            forecast=self._allocation.forecast if self._allocation is not None else (0.0,) * batch_size,
             accepted_per_request=accepted,
             ceiling=self._ceiling if drafted else 0,
         )
@@ -416,7 +428,11 @@ class AdaptiveBudget:
             nodes = _DraftedNodes(
                 build_ms=self._build_ms,
                 built_lengths=self._built_lengths,
-                raw_probs=self._raw_probs,
+                raw_probs=(
+                    self._raw_probs
+                    if self._raw_probs is not None
+                    else _first_probs(self._settled_logws, self._built_lengths)
+                ),
                 verified=verified,
                 accepted_nodes=accepted_nodes,
                 whole_rows=self._whole_rows,
@@ -520,6 +536,19 @@ class AdaptiveBudget:
                 self.gate.record_step_ms(step_ms - self._deciding_ms + mean)
         self._priced_ms = None
         self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing
+
+
+def _first_probs(logws: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
+    """Drafter probabilities of row b's first `num_nodes[b]` draft nodes, zeros past them
+    (`logws`: each row's draft nodes' log-weights, best-first)."""
+    return np.exp(logws) * (np.arange(logws.shape[1]) < num_nodes[:, None])
+
+
+def _forecast(
+    logws: np.ndarray, num_nodes: np.ndarray, calibrate: Callable[[np.ndarray], np.ndarray]
+) -> tuple[float, ...]:
+    """Calibrated expected accepted draft tokens of each row's first `num_nodes[b]` nodes."""
+    return tuple(calibrate(_first_probs(logws, num_nodes)).sum(axis=1).tolist())
 
 
 def _ema_from_first(mean: float, sample: float) -> float:
