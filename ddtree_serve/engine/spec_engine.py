@@ -254,6 +254,7 @@ class SpecEngine:
     def step(self) -> list[RequestOutput]:
         """Advance every running request by one verify step; return their new outputs (less the
         prefills' first tokens when `on_first_tokens` took them already)."""
+        self._adaptive_inputs = None  # worked out again for this step's requests
         with self.timer.stage(Stage.SCHEDULE):
             scheduled = self.scheduler.schedule()
         if scheduled.prefills:
@@ -540,8 +541,9 @@ class SpecEngine:
         roots = [_bonus(r) for r in requests]
         whole = build_host_tree_batch(draft.logp, draft.ids, widest[:drafted], roots[:drafted])
         whole = whole.with_root_only(roots[drafted:])
-        # No tree is deeper than the drafter's block: most steps, no request is near its end.
-        built = whole if min(keepable, default=0) >= self.block_size else whole.within_depth(keepable)
+        # No tree is deeper than the draft's positions: most steps, no request is near its end.
+        deepest = draft.logp.shape[1]
+        built = whole if min(keepable, default=0) >= deepest else whole.within_depth(keepable)
         cut_rows = None if built is whole else built.num_nodes < whole.num_nodes
         allocation = policy.choose(built, caps, captured, cut_rows=cut_rows)
         trees = built.prefix(allocation.num_nodes)
