@@ -44,9 +44,6 @@ from ddtree_serve.tree import TreeBatch
 
 ENGINE_STAGES = ("_prefill", "_serial_draft", "_build", "_verify", "_append", "_postprocess")
 POLICY_CALLS = ("plan", "choose", "learn", "observe", "record_step_ms")
-BUILD_PARTS = ("build_host_tree_batch", "allowed_buckets", "verify_batch")
-"""Parts of the adaptive build stage timed on their own (the host tree, the captured graphs it
-may run, the verify buffers)."""
 
 
 class StageClock:

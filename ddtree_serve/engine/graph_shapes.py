@@ -65,8 +65,8 @@ class VerifyGraphShapes:
         wanted = pick_bucket(ceiling + 1, self.token_buckets)
         if wanted is None or row_bucket(max_start + wanted, self.max_seq_len) is None:
             return self.captured_buckets(batch_size, max_start) or None
-        # Only the buckets below the ceiling's are read: a step runs every one of them (the
-        # scan was 0.03-0.04 ms of every adaptive step on the H200's host).
+        # Only the buckets below the ceiling's are looked up: the answer holds no other (the
+        # scan of every bucket was 0.03-0.04 ms of every adaptive step on the H200's host).
         return (*self.captured_buckets(batch_size, max_start, below=wanted), wanted)
 
     @staticmethod

@@ -155,7 +155,7 @@ class SpecEngine:
         # The draft in flight for the next step: overlap's first micro-batch, or the draft chained
         # to the last serial verify (None: none yet).
         self._carried: _CarriedDraft | None = None
-        # The adaptive step's requests, their keepable depths and caps (`_adaptive_inputs`).
+        # The adaptive step's requests, their keepable depths and caps (`_adaptive_inputs_of`).
         self._adaptive_inputs: tuple[list[Request], list[int], list[int]] | None = None
 
     @property

@@ -184,6 +184,22 @@ def test_the_step_after_a_neighbour_probe_resumes_the_choice_unless_the_probe_mo
         assert gate.held != slow_probe  # held undecided, or decided again
 
 
+def test_a_plain_streak_decides_again_as_its_batch_drains_within_the_bucket():
+    """A verify costs 4 ms plus 1 ms a token: at batch 64 a plain step wins, and after probes
+    that found so the next probe is hundreds of steps away; as requests finish within the bucket
+    the plain step's price falls, so the streak decides again and drafts before batch 33."""
+    tokens = np.array([1.0, 8192.0])
+    cost = CostCurve([1], tokens, [4.0 + 1.0 * tokens], draft_ms=[1.0])
+    gate = DraftGate()
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    steady = [gate.ceiling([16] * 64, cost, FREE_BUILD, "padded") for _ in range(300)]
+    assert steady[-1] == 0 and gate.plain_probe_interval(64) > 64
+    drained = []
+    for batch_size in range(63, 32, -1):
+        drained.append(gate.ceiling([16] * batch_size, cost, FREE_BUILD, "padded") > 0 and not gate.probing)
+    assert any(drained)
+
+
 def test_the_step_after_a_probe_decides_with_what_the_probe_saw():
     """A probe's trees reach the gate's curve before the next decision: else the plain streak
     the gate starts then would run a whole probe interval past what the probe found."""

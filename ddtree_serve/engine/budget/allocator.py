@@ -19,7 +19,7 @@ target draws any coin, and every tree verified is a prefix of a valid best-first
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import numpy as np
@@ -42,7 +42,7 @@ class Allocation:
     num_nodes: tuple[int, ...]
     # Calibrated expected accepted draft tokens per request, or how to work them out when first
     # read (`expected_accepted`): a settled step's choice leaves them to whoever reads them.
-    forecast: tuple[float, ...] | Callable[[], tuple[float, ...]]
+    forecast: tuple[float, ...] | Callable[[], tuple[float, ...]] = field(repr=False)
     step_ms: float  # predicted drafter + verify milliseconds
 
     @functools.cached_property

@@ -51,7 +51,9 @@ FIRST_STEP_PLAIN_STEPS = 4.0
 """What the first drafted step may cost, in plain decode steps, before anything is known."""
 
 RECHECK_SHIFT = 0.05
-"""A plain streak decides again once its plain step's predicted price moved this much (a share)."""
+"""A streak decides again once a plain step's or the drafter's predicted price moved this much (a
+share), and the step after a probe of the choice's neighbours once the probe moved its ceiling's
+step-time ratio this much."""
 
 DRAFTED_RECHECK_STEPS = 8
 """A drafting streak over the same batch decides again after this many steps."""
@@ -164,15 +166,18 @@ class DraftGate:
         batch_size = len(caps)
         plain_ms, draft_ms = _prices(batch_size, cost, overhead)
         # Requests finishing one by one keep a streak, and so do caps shrinking within their
-        # power of two (the engine caps each request at the draft tokens it can still keep). Its
-        # prices are read at the batch it was decided at: they move when the cost curve learns,
-        # not when requests finish within the bucket.
+        # power of two (the engine caps each request at the draft tokens it can still keep). A
+        # drafting streak's prices are read at the batch it was decided at: they move when the
+        # cost curve learns, not when requests finish within the bucket (its age bounds it). A
+        # plain streak's are read at the batch now: a plain step's price falling as the batch
+        # drains is what turns it back to drafting before its probe, which after failed probes
+        # may be 16 intervals away.
         streak = (batch_bucket(batch_size), batch_bucket(cap))
         holds = False
         if streak == self._streak:
-            same_batch = batch_size == self._streak_batch
+            at_batch = batch_size == self._streak_batch or self._streak_choice == 0
             holds = self._streak_holds(
-                *((plain_ms, draft_ms) if same_batch else _prices(self._streak_batch, cost, overhead))
+                *((plain_ms, draft_ms) if at_batch else _prices(self._streak_batch, cost, overhead))
             )
         if holds:
             # A streak over the same batch keeps its choice until its probe is due, and decides

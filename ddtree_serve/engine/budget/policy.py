@@ -38,7 +38,7 @@ overhead the predictions add holds it. The build's price learns the build stage 
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -101,7 +101,7 @@ class BudgetStep:
     num_nodes: tuple[int, ...]  # draft nodes verified per request
     # Calibrated expected accepted draft tokens per request (0: no draft), or how to work them
     # out when first read (`predicted_per_request`): a settled step's, which only metrics read.
-    forecast: tuple[float, ...] | Callable[[], tuple[float, ...]]
+    forecast: tuple[float, ...] | Callable[[], tuple[float, ...]] = field(repr=False)
     accepted_per_request: tuple[int, ...]  # draft tokens verification accepted
     ceiling: int = 0  # draft nodes per tree the step built at most (0: a plain step)
 
@@ -183,7 +183,7 @@ class AdaptiveBudget:
         self._calibration_batch: list[tuple[np.ndarray, np.ndarray]] = []
         self._num_calibrations = 0
         self._learning = True  # this step drafts to teach the calibrator (`LEARNING_STEPS`)
-        self._num_drafted_steps = 0  # observed, for `NODE_LESSON_INTERVAL`
+        self._num_drafted_steps = 0  # observed, for `NODE_LESSON_INTERVAL` and `SETTLED_LESSON_INTERVAL`
         # (ceiling, width) of the last weighing of widths (None: none, or caps or captured
         # graphs cut it): a held streak's steps at that ceiling are `settled` at that width.
         self._weighed: tuple[int, int] | None = None
@@ -229,7 +229,7 @@ class AdaptiveBudget:
         # where it kept 31 of 32 nodes (the 32-token graph) step after step. So do the steps of
         # a streak whose batch shrinks within its bucket (requests finishing: a third of the
         # steps at c = 16, each built at the ceiling and weighed), and a step that teaches its
-        # nodes (one in `NODE_LESSON_INTERVAL`), from the trees it verified.
+        # nodes (one in `SETTLED_LESSON_INTERVAL`), from the trees it verified.
         self.settled = (
             self.gate.kept
             and self._weighed is not None
@@ -360,8 +360,9 @@ class AdaptiveBudget:
     ) -> Allocation | None:
         """A settled step's choice: each request its first min(`width`, built) nodes, unweighed;
         None where a cap (or the widest captured graph) cuts a tree, which the weighing handles.
-        Only these nodes are read: the step is as lean as the choice allows (it teaches no
-        nodes, `observe`)."""
+        Only these nodes are read, their probabilities and forecast not even that until a lesson
+        (one settled step in `SETTLED_LESSON_INTERVAL`) or metrics read them: the step is as
+        lean as the choice allows."""
         lengths = trees.num_nodes - 1
         smallest_cap = min(caps, default=0)
         if captured is not None:
@@ -408,7 +409,8 @@ class AdaptiveBudget:
         self.last_step = BudgetStep(
             drafted=drafted,
             num_nodes=tuple(verified),
-            forecast=self._allocation.forecast if self._allocation is not None else (0.0,) * batch_size,
+            # The allocation's own forecast, worked out once for both (a settled step's lazily).
+            forecast=(0.0,) * batch_size if self._allocation is None else _forecast_of(self._allocation),
             accepted_per_request=accepted,
             ceiling=self._ceiling if drafted else 0,
         )
@@ -536,6 +538,17 @@ class AdaptiveBudget:
                 self.gate.record_step_ms(step_ms - self._deciding_ms + mean)
         self._priced_ms = None
         self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing
+
+
+def _forecast_of(allocation: Allocation) -> tuple[float, ...] | Callable[[], tuple[float, ...]]:
+    """What a step's record reads its forecast from: the allocation's tuple, or its cached
+    `expected_accepted` when first read (one computation for both)."""
+    forecast = allocation.forecast
+    return (
+        forecast
+        if isinstance(forecast, tuple)
+        else functools.partial(getattr, allocation, "expected_accepted")
+    )
 
 
 def _first_probs(logws: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
