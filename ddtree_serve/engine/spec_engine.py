@@ -541,9 +541,7 @@ class SpecEngine:
         roots = [_bonus(r) for r in requests]
         whole = build_host_tree_batch(draft.logp, draft.ids, widest[:drafted], roots[:drafted])
         whole = whole.with_root_only(roots[drafted:])
-        # No tree is deeper than the draft's positions: most steps, no request is near its end.
-        deepest = draft.logp.shape[1]
-        built = whole if min(keepable, default=0) >= deepest else whole.within_depth(keepable)
+        built = whole.within_depth(keepable)  # itself where no request is near its end
         cut_rows = None if built is whole else built.num_nodes < whole.num_nodes
         allocation = policy.choose(built, caps, captured, cut_rows=cut_rows)
         trees = built.prefix(allocation.num_nodes)

@@ -84,9 +84,9 @@ class TreeBatch:
         budget of the nodes kept. A request with n tokens left keeps at most n - 1 draft
         tokens of a step: its deeper nodes could only be cut off, its shallow ones still count.
         """
-        limits = np.asarray(max_depths, dtype=np.int64)[:, None]
-        if limits.size == 0 or limits.min() >= self.depths.max(initial=0):
+        if len(max_depths) == 0 or min(max_depths) >= int(self.depths.max(initial=0)):
             return self  # no node deeper than the smallest limit (most steps: no request near its end)
+        limits = np.asarray(max_depths, dtype=np.int64)[:, None]
         width = self.tokens.shape[1]
         real = np.arange(width) < self.num_nodes[:, None]
         kept = real & (self.depths <= limits)

@@ -35,6 +35,15 @@ class StepCost(Protocol):
     def draft_ms(self, batch_size: int) -> float: ...
 
 
+Forecast = tuple[float, ...] | Callable[[], tuple[float, ...]]
+"""Calibrated expected accepted draft tokens per request, or how to work them out when first read."""
+
+
+def forecast_values(forecast: Forecast) -> tuple[float, ...]:
+    """A forecast's figures (a lazy one worked out now)."""
+    return forecast() if callable(forecast) else forecast
+
+
 @dataclass(frozen=True)
 class Allocation:
     """Draft nodes per request (root excluded; 0 = root only) and what the choice predicts."""
@@ -42,13 +51,13 @@ class Allocation:
     num_nodes: tuple[int, ...]
     # Calibrated expected accepted draft tokens per request, or how to work them out when first
     # read (`expected_accepted`): a settled step's choice leaves them to whoever reads them.
-    forecast: tuple[float, ...] | Callable[[], tuple[float, ...]] = field(repr=False)
+    forecast: Forecast = field(repr=False)
     step_ms: float  # predicted drafter + verify milliseconds
 
     @functools.cached_property
     def expected_accepted(self) -> tuple[float, ...]:
         """Calibrated expected accepted draft tokens per request."""
-        return self.forecast() if callable(self.forecast) else self.forecast
+        return forecast_values(self.forecast)
 
     @property
     def expected_tokens(self) -> float:

@@ -354,8 +354,8 @@ class DraftGate:
         `FIRST_STEP_PLAIN_STEPS` plain steps (at least 1), so learning the curve costs little
         where wide trees are dear (a CPU under load) and sees the whole cap where they are not."""
         batch_size = len(caps)
-        plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
-        draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms
+        plain_ms, draft_ms = _prices(batch_size, cost, overhead)
+        draft_ms += overhead.drafted_ms
         candidates = powers_of_two_upto(max(caps))
         nodes_built = _nodes_built(caps, candidates)
         affordable = 1

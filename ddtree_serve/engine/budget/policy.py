@@ -42,7 +42,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ddtree_serve.engine.budget.allocator import Allocation, TokenLayout, allocate, allocate_padded_rows
+from ddtree_serve.engine.budget.allocator import (
+    Allocation,
+    Forecast,
+    TokenLayout,
+    allocate,
+    allocate_padded_rows,
+    forecast_values,
+)
 from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
@@ -101,14 +108,14 @@ class BudgetStep:
     num_nodes: tuple[int, ...]  # draft nodes verified per request
     # Calibrated expected accepted draft tokens per request (0: no draft), or how to work them
     # out when first read (`predicted_per_request`): a settled step's, which only metrics read.
-    forecast: tuple[float, ...] | Callable[[], tuple[float, ...]] = field(repr=False)
+    forecast: Forecast = field(repr=False)
     accepted_per_request: tuple[int, ...]  # draft tokens verification accepted
     ceiling: int = 0  # draft nodes per tree the step built at most (0: a plain step)
 
     @functools.cached_property
     def predicted_per_request(self) -> tuple[float, ...]:
         """Calibrated expected accepted draft tokens per request (0: no draft)."""
-        return self.forecast() if callable(self.forecast) else self.forecast
+        return forecast_values(self.forecast)
 
     @property
     def predicted_accepted(self) -> float:
@@ -323,9 +330,7 @@ class AdaptiveBudget:
                 return settled
         lengths = trees.num_nodes - 1
         width = int(lengths.max(initial=0))
-        built = np.arange(width) < lengths[:, None]
-        logws = np.where(built, trees.logws[:, 1 : 1 + width], -np.inf)
-        raw = np.exp(logws)
+        raw = _first_probs(trees.logws[:, 1 : 1 + width], lengths)
         calibrated = self.calibrator.calibrate(raw)  # 0 stays 0: the map is anchored there
         # What `observe` teaches the calibrator and the gate's recent curve (`learn`).
         self._raw_probs, self._built_lengths = raw, lengths
@@ -540,7 +545,7 @@ class AdaptiveBudget:
         self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing
 
 
-def _forecast_of(allocation: Allocation) -> tuple[float, ...] | Callable[[], tuple[float, ...]]:
+def _forecast_of(allocation: Allocation) -> Forecast:
     """What a step's record reads its forecast from: the allocation's tuple, or its cached
     `expected_accepted` when first read (one computation for both)."""
     forecast = allocation.forecast
