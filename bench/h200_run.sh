@@ -5,8 +5,8 @@
 # serving stack into .gpu-wheels/site.tar.xz, which travels with the call (carry it). Each stage
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
-# graph chain overlap direct sockets steps ttft ttft_direct ttft_sockets fake features
-# features_test gate (default: nvidia budget hops serve).
+# graph chain overlap direct sockets local local_chain local_hops steps ttft ttft_direct ttft_sockets
+# fake features features_test gate (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
 set -uo pipefail
@@ -50,6 +50,15 @@ for stage in "${STAGES[@]}"; do
     sockets) run sockets 420 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
       --transport sockets --overlap off on --chain-drafts off on --concurrency 1 4 16 64 \
       --serve-throughput-optimized --direct-ingress ;;
+    local) run local 540 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --workers actors target_in_coordinator --transport sockets --overlap off on \
+      --concurrency 1 4 16 64 --serve-throughput-optimized --direct-ingress ;;
+    local_chain) run local_chain 420 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --workers target_in_coordinator --transport sockets --chain-drafts off on \
+      --concurrency 1 4 16 64 --serve-throughput-optimized --direct-ingress ;;
+    local_hops) run local_hops 240 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 \
+      --num-cpus 8 --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 --rounds 1 \
+      --configurations in_process sockets sockets+chained local_target local_target+chained local_target+overlap ;;
     ttft_sockets) run ttft_sockets 120 python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 \
       --transport sockets --serve-throughput-optimized --direct-ingress ;;
     ttft_direct) run ttft_direct 120 python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 \

@@ -409,18 +409,24 @@ def engine_step_table(
         ("sockets", "actors", "sockets", False, False),
         ("sockets+chained", "actors", "sockets", False, True),
         ("sockets+overlap", "actors", "sockets", True, False),
+        # The target in this process (the Coordinator's, served), the drafter in its actor: the
+        # socket graph comes built from `start_workers`, in the configuration's shape.
+        ("local_target", "target_in_coordinator", None, False, False),
+        ("local_target+chained", "target_in_coordinator", None, False, True),
+        ("local_target+overlap", "target_in_coordinator", None, True, False),
     ]
     if only:
         configurations = [c for c in configurations if c[0] in only]
     workers = {}
     # On one GPU every configuration's drafter and target share it.
-    num_actors = 2 * sum(1 for c in configurations if c[1] == "actors")
+    num_actors = sum({"actors": 2, "target_in_coordinator": 1}.get(c[1], 0) for c in configurations)
     gpu_share = int(1e4 / max(num_actors, 1)) / 1e4 if device.startswith("cuda") else 0.0
     small = {"num_cpus": 0.1, "num_gpus": gpu_share}
-    for name, placement, *_ in configurations:
+    for name, placement, _, overlap, _ in configurations:
+        shape = overlap and placement == "target_in_coordinator"
         config = ServeConfig(
             engine=engine_config,
-            placement={"workers": placement, "drafter": small, "target": small},  # type: ignore[arg-type]
+            placement={"workers": placement, "overlap": shape, "drafter": small, "target": small},  # type: ignore[arg-type]
         )
         workers[name] = start_workers(config)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
@@ -474,7 +480,7 @@ def engine_step_table(
                 target.close()  # type: ignore[union-attr]
     for target, drafter in workers.values():
         for worker in (target, drafter):
-            if hasattr(worker, "actor"):
+            if getattr(worker, "actor", None) is not None:
                 ray.kill(worker.actor)
     figures = {f"engine step: {name}": statistics.median(values) for name, values in samples.items()}
     for name, stages in stage_ms.items():

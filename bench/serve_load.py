@@ -84,7 +84,7 @@ class LevelResult:
         tpot, tpot_p99 = statistics.median(tpots), tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))]
         ratio = f"{self.throughput / baseline:.2f}" if baseline else "1.00"
         return (
-            f"| {self.path:<32} | {self.concurrency:>3} | {len(self.timings):>4} "
+            f"| {self.path:<44} | {self.concurrency:>3} | {len(self.timings):>4} "
             f"| {p50:8.1f} | {p99:8.1f} | {tpot:7.2f} | {tpot_p99:7.2f} "
             f"| {self.throughput:8.1f} | {ratio:>5} |"
         )
@@ -267,8 +267,12 @@ def stop_application(ray_dir: str) -> None:
     shutil.rmtree(ray_dir, ignore_errors=True)
 
 
-def _app_name(transport: str, overlap: bool, chained: bool, interval_ms: float, features: str) -> str:
+def _app_name(
+    workers: str, transport: str, overlap: bool, chained: bool, interval_ms: float, features: str
+) -> str:
     name = f"{transport}-{'overlap' if overlap else 'serial'}"
+    if workers != "actors":
+        name = f"{workers}-{name}"
     if chained and transport != "actor_calls" and not overlap:
         name += "-chained"
     if features != "auto":
@@ -301,9 +305,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--workers",
-        default="actors",
-        choices=["actors", "in_process"],
-        help="Served models in drafter/target actors (the product) or inside the Coordinator replica.",
+        nargs="+",
+        default=["actors"],
+        choices=["actors", "target_in_coordinator", "in_process"],
+        help="placement.workers values: drafter and target actors, the target inside the "
+        "Coordinator replica and the drafter in its actor, or both models inside the replica.",
     )
     parser.add_argument(
         "--transport",
@@ -362,23 +368,25 @@ def main() -> None:
     # On one GPU the group's drafter and target actors share it (half each); on CPU they reserve none.
     intervals = args.stream_batching_interval_ms
     combos = [
-        (t, o == "on", c == "on", i, f)
+        (w, t, o == "on", c == "on", i, f)
+        for w in args.workers
         for t in args.transport
         for o in args.overlap
         for c in args.chain_drafts
         for i in intervals
         for f in args.features
         if c == "off" or (t != "actor_calls" and o == "off")  # chaining changes nothing elsewhere
+        if w != "target_in_coordinator" or t == "sockets"  # its one transport
     ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": free_port()}, "grpc": {"port": free_port()}}
     configs = [
         ServeConfig(
-            app_name=_app_name(transport, overlap, chained, interval, features),
+            app_name=_app_name(workers, transport, overlap, chained, interval, features),
             engine=engine_config,
             observability={"metrics": False},  # type: ignore[arg-type]
             placement={  # type: ignore[arg-type]
-                "workers": args.workers,
+                "workers": workers,
                 "transport": transport,
                 "overlap": overlap,
                 "chain_drafts": chained,
@@ -391,7 +399,7 @@ def main() -> None:
             stream_batching_interval_ms=interval,
             **ports,  # type: ignore[arg-type]
         )
-        for transport, overlap, chained, interval, features in combos
+        for workers, transport, overlap, chained, interval, features in combos
     ]
     ray_dir = tempfile.mkdtemp(prefix="ddtree-bench-")
     start_cluster(configs[0], ray_dir, args.serve_throughput_optimized)
@@ -402,9 +410,9 @@ def main() -> None:
 
     baseline = {r.concurrency: r.throughput for r in results if r.path == "in-process"}
     print(f"\nmode={args.mode} budget={args.budget} max_tokens={args.max_tokens}", end=" ")
-    print(f"workers={args.workers} threads={args.threads}\n")
-    print(f"| {'path':<32} |   c | reqs | TTFT p50 | TTFT p99 | TPOT ms | TPOT p99 |    tok/s | ratio |")
-    print(f"|{'-' * 34}|-----|------|----------|----------|---------|---------|----------|-------|")
+    print(f"workers={' '.join(args.workers)} threads={args.threads}\n")
+    print(f"| {'path':<44} |   c | reqs | TTFT p50 | TTFT p99 | TPOT ms | TPOT p99 |    tok/s | ratio |")
+    print(f"|{'-' * 46}|-----|------|----------|----------|---------|---------|----------|-------|")
     for result in results:
         print(result.row(None if result.path == "in-process" else baseline[result.concurrency]))
     print(f"\ndevice={args.device} dtype={args.dtype}; TTFT in ms;", end=" ")

@@ -59,6 +59,7 @@ from ddtree_serve.engine.interfaces import (
     VerifyOutput,
 )
 from ddtree_serve.serve.graph_calls import DrafterCall, GraphContext, TargetCall, TargetMethod
+from ddtree_serve.serve.local_target import LocalTarget
 from ddtree_serve.serve.step_sockets import SocketGraph, StepChannelError
 from ddtree_serve.serve.wire import from_wire, to_wire
 from ddtree_serve.serve.workers import RayDrafter, RayTarget, TargetRestartedError, target_lost
@@ -117,7 +118,7 @@ class StepGraph:
 
     def __init__(
         self,
-        target: RayTarget,
+        target: RayTarget | LocalTarget,
         drafter: RayDrafter,
         overlap: bool,
         transport: GraphTransport = "compiled_graph",
@@ -125,8 +126,12 @@ class StepGraph:
         """`overlap`: the graph's shape for the overlapped step (the drafter's call does not wait
         for the target's); else the serial shape. An overlapped engine runs correctly on the
         serial shape (its two calls then do not run at once); chained drafts need the serial one.
-        `transport`: Ray's compiled graph, or the same graph over the workers' sockets."""
+        `transport`: Ray's compiled graph, or the same graph over the workers' sockets (the only
+        one for a `LocalTarget`: its calls run in this process, unwired)."""
+        if isinstance(target, LocalTarget) and transport != "sockets":
+            raise ValueError("a target in the Coordinator's process needs the socket step graph")
         self._target = target
+        self._target_wired = isinstance(target, RayTarget)
         self._drafter = drafter
         self._overlap = overlap
         self.transport = transport
@@ -146,7 +151,11 @@ class StepGraph:
         return self._graph is not None
 
     def _compile(self) -> None:
-        drafter, target = self._drafter.actor, self._target.actor
+        drafter = self._drafter.actor
+        if isinstance(self._target, LocalTarget):
+            self._graph = SocketGraph(self._target.step_end(), drafter, self._overlap)
+            return
+        target = self._target.actor
         if self.transport == "sockets":
             self._graph = SocketGraph(target, drafter, self._overlap)
             return
@@ -191,8 +200,12 @@ class StepGraph:
     def submit_target(self, method: TargetMethod, inputs: Any, finish: Any) -> Pending[Any]:
         if self._open.target is not None:
             self.flush()
-        self._open.target = TargetCall(next(self._call_ids), (), method, to_wire(inputs))
+        self._open.target = TargetCall(next(self._call_ids), (), method, self._target_inputs(inputs))
         return _GraphPending(self, self._open, "target", finish)
+
+    def _target_inputs(self, inputs: Any) -> Any:
+        """A target call's inputs as its target takes them: wired for an actor."""
+        return to_wire(inputs) if self._target_wired else inputs
 
     def submit_verify_then_draft(
         self, inputs: VerifyInput, top_k: int, finish: Any
@@ -202,7 +215,8 @@ class StepGraph:
             raise ValueError("chained drafts need the serial graph (placement.overlap off)")
         if self._open.target is not None or self._open.draft is not None:
             self.flush()
-        self._open.target = TargetCall(next(self._call_ids), (), "verify_and_commit", to_wire(inputs))
+        wired = self._target_inputs(inputs)
+        self._open.target = TargetCall(next(self._call_ids), (), "verify_and_commit", wired)
         # The drafter takes each slot's roots from the verdict and its one new context slice from
         # the delivery: the bonus tokens here only give the call its shape.
         slots = list(inputs.slots)
@@ -262,7 +276,9 @@ class StepGraph:
             # socket reply's buffer is its own, read fresh for each message.
             copy = self.transport == "compiled_graph"
             for role, ref in refs:
-                value = from_wire(ref.get(timeout=_GET_TIMEOUT_S), copy=copy)
+                value = ref.get(timeout=_GET_TIMEOUT_S)
+                if role != "target" or self._target_wired:
+                    value = from_wire(value, copy=copy)
                 if role is not None:
                     setattr(execution, f"{role}_result", value)
         except _LOST as error:
@@ -301,6 +317,9 @@ class StepGraph:
         """The target's call as a plain actor call: its result kept from the broken execution,
         or run now (without features: no drafter takes them)."""
         assert execution.target is not None
+        if isinstance(self._target, LocalTarget):
+            execution.target_result = self._target.calls.replay(execution.target)
+            return
         ref = self._target.actor.replay_graph_call.remote(execution.target)
         self._run_while_waiting()
         try:
@@ -313,7 +332,7 @@ class GraphTarget:
     """`Target` (and `PipelinedTarget`, `DraftChainingTarget`) over the step graph; metadata from
     the `RayTarget`."""
 
-    def __init__(self, graph: StepGraph, target: RayTarget) -> None:
+    def __init__(self, graph: StepGraph, target: RayTarget | LocalTarget) -> None:
         self._graph = graph
         self._target = target
         # `AsyncDeviceTarget`: the engine's host work while the workers run the verify's
@@ -454,8 +473,11 @@ def _teardown(graph: Any) -> None:
 
 
 def graph_workers(
-    target: RayTarget, drafter: RayDrafter, overlap: bool, transport: GraphTransport = "compiled_graph"
+    target: RayTarget | LocalTarget,
+    drafter: RayDrafter,
+    overlap: bool,
+    transport: GraphTransport = "compiled_graph",
 ) -> tuple[GraphTarget, GraphDrafter]:
-    """The seam over one step graph of the group's two actors (`overlap`: its shape)."""
+    """The seam over one step graph of the group's two workers (`overlap`: its shape)."""
     graph = StepGraph(target, drafter, overlap, transport)
     return GraphTarget(graph, target), GraphDrafter(graph, drafter)

@@ -77,10 +77,14 @@ class PlacementConfig(_Strict):
         "on CPU) that shards attention heads, MLPs, experts and the vocabulary; the coordinator "
         "still sees one target.",
     )
-    workers: Literal["actors", "in_process"] = Field(
+    workers: Literal["actors", "target_in_coordinator", "in_process"] = Field(
         default="actors",
         description="'actors': DrafterWorker and TargetWorker actors in the group's bundles (the "
-        "speculation group); 'in_process': both models inside the Coordinator replica (debugging, "
+        "speculation group); 'target_in_coordinator': the target model inside the Coordinator "
+        "replica (which then reserves placement.target's resources in its bundle, as SGLang's "
+        "scheduler holds its rank-0 worker) and the drafter in its actor, reached over the socket "
+        "step graph: a step's one hop is the draft's; a lost target is a lost replica, which "
+        "Serve replaces; 'in_process': both models inside the Coordinator replica (debugging, "
         "Serve's local testing mode).",
     )
     transport: Literal["auto", "actor_calls", "compiled_graph", "sockets"] = Field(
@@ -152,9 +156,22 @@ class PlacementConfig(_Strict):
         "nodes started with that much) caps the groups per node.",
     )
 
+    def coordinator_resources(self) -> WorkerResources:
+        """What the Coordinator replica reserves: its own, plus the target's when the target
+        model runs inside it (workers 'target_in_coordinator')."""
+        if self.workers != "target_in_coordinator":
+            return self.coordinator
+        own, target = self.coordinator, self.target
+        resources = dict(own.resources)
+        for name, amount in target.resources.items():
+            resources[name] = resources.get(name, 0.0) + amount
+        return WorkerResources(
+            num_cpus=own.num_cpus + target.num_cpus, num_gpus=target.num_gpus, resources=resources
+        )
+
     def coordinator_bundle(self) -> dict[str, float]:
         """Bundle 0: the Coordinator replica's resources plus the group's node type."""
-        bundle = self.coordinator.bundle()
+        bundle = self.coordinator_resources().bundle()
         for name, amount in self.node_type.items():
             bundle[name] = bundle.get(name, 0.0) + amount
         return {name: amount for name, amount in bundle.items() if amount > 0}
@@ -172,7 +189,10 @@ class PlacementConfig(_Strict):
                     f"placement.{role} reserves no resources: a placement bundle cannot be empty"
                 )
         if self.coordinator.num_gpus > 0:
-            raise ValueError("placement.coordinator must not reserve GPUs: the models run in the workers")
+            raise ValueError(
+                "placement.coordinator must not reserve GPUs: the models run in the workers (a target "
+                "inside the Coordinator brings placement.target's)"
+            )
         if self.tensor_parallel_size > 1:
             if self.target.num_gpus > 1 and self.target.num_gpus != self.tensor_parallel_size:
                 raise ValueError(
@@ -436,9 +456,21 @@ class ServeConfig(_Strict):
             raise ValueError(
                 f"placement.transport '{placement.transport}' needs a drafter (mode 'ar' has none)"
             )
+        if placement.workers == "target_in_coordinator":
+            if self.engine.mode == "ar":
+                raise ValueError(
+                    "placement.workers 'target_in_coordinator' needs a drafter (mode 'ar' has none)"
+                )
+            if placement.transport not in ("auto", "sockets"):
+                raise ValueError(
+                    "placement.workers 'target_in_coordinator' reaches its drafter over transport 'sockets'"
+                )
         if placement.overlap:
-            if placement.workers != "actors":
-                raise ValueError("placement.overlap needs workers 'actors' (two processes to overlap)")
+            if placement.workers == "in_process":
+                raise ValueError(
+                    "placement.overlap needs workers 'actors' or 'target_in_coordinator' (two "
+                    "processes to overlap)"
+                )
             if self.engine.mode == "ar" or self.engine.budget_policy != "fixed":
                 raise ValueError("placement.overlap needs a drafter and budget_policy 'fixed'")
         return self

@@ -76,11 +76,9 @@ class Coordinator:
         """Serve deployment options: the group's placement bundles, replica count, limits."""
         placement = config.placement
         scaling = config.autoscaling
+        resources = placement.coordinator_resources()  # with the target's, when it runs here
         options: dict[str, Any] = {
-            "ray_actor_options": {
-                "num_cpus": placement.coordinator.num_cpus,
-                "resources": dict(placement.coordinator.resources),
-            },
+            "ray_actor_options": {"num_cpus": resources.num_cpus, "resources": dict(resources.resources)},
             "placement_group_bundles": placement_bundles(config),
             "placement_group_strategy": placement.strategy,
             "max_ongoing_requests": config.max_ongoing_per_group + _ONGOING_HEADROOM,
@@ -88,6 +86,8 @@ class Coordinator:
             "health_check_timeout_s": _HEALTH_CHECK_TIMEOUT_S,
             "graceful_shutdown_wait_loop_s": _GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
         }
+        if resources.num_gpus > 0:
+            options["ray_actor_options"]["num_gpus"] = resources.num_gpus
         if scaling.min_replicas == scaling.max_replicas:
             options["num_replicas"] = scaling.min_replicas
         else:
@@ -119,6 +119,7 @@ class Coordinator:
             role: worker.actor
             for role, worker in (("target", target), ("drafter", drafter))
             if isinstance(worker, RayTarget | RayDrafter | GraphTarget | GraphDrafter)
+            and worker.actor is not None  # a target inside this replica has none
         }
         # What a replacement after a fault costs, besides Serve's detection and process start.
         logger.info("speculation group up: workers and engine started in %.1f s", time.monotonic() - start_s)

@@ -3,7 +3,9 @@
 One Coordinator replica is one group and one placement group. Bundle 0 holds the replica
 itself (Serve's rule), then the drafter, then the target group (one bundle, or one per
 tensor-parallel rank: `target_group.py`); mode "ar" has no drafter and therefore no drafter
-bundle, so the target moves up to bundle 1. The workers are Ray actors in those bundles, or
+bundle, so the target moves up to bundle 1. The workers are Ray actors in those bundles, the
+target inside the replica and the drafter in its actor (placement.workers =
+"target_in_coordinator": bundle 0 then also holds the target's resources; `local_target.py`), or
 in-process models inside the replica (placement.workers = "in_process");
 `placement.transport` picks how the Coordinator reaches the actors (`compiled_graph.py`, over
 Ray's channels or the group's own sockets: `step_sockets.py`), and
@@ -28,6 +30,7 @@ from ddtree_serve.engine.interfaces import Drafter, Target
 from ddtree_serve.serve.compiled_graph import graph_workers
 from ddtree_serve.serve.config import ServeConfig, WorkerResources
 from ddtree_serve.serve.device_features import DEVICE_FEATURES_MIN_BYTES, same_gpu
+from ddtree_serve.serve.local_target import LocalTarget
 from ddtree_serve.serve.target_group import start_target_group
 from ddtree_serve.serve.workers import (
     DrafterFactory,
@@ -51,7 +54,8 @@ def placement_bundles(config: ServeConfig) -> list[dict[str, float]]:
     bundles = [placement.coordinator_bundle()]
     if config.engine.mode != "ar":
         bundles.append(placement.drafter.bundle())
-    bundles.extend(placement.target_bundles())
+    if placement.workers != "target_in_coordinator":  # else bundle 0 holds the target too
+        bundles.extend(placement.target_bundles())
     return bundles
 
 
@@ -77,7 +81,42 @@ def start_workers(
         drafter_factory = drafter_factory or DraftStepFactory(engine_config)
     if config.placement.workers == "in_process":
         return target_factory(), drafter_factory() if drafter_factory is not None else None
+    if config.placement.workers == "target_in_coordinator":
+        assert drafter_factory is not None, "the config refuses mode 'ar' here"
+        return _start_target_in_coordinator(config, target_factory, drafter_factory)
     return _start_actors(config, target_factory, drafter_factory)
+
+
+def _worker_options(resources: WorkerResources, bundle_index: int) -> dict[str, Any]:
+    """A worker actor's options: its resources, in `bundle_index` of this replica's placement
+    group (anywhere when there is none)."""
+    worker_options: dict[str, Any] = {
+        "num_cpus": resources.num_cpus,
+        "num_gpus": resources.num_gpus,
+        "resources": dict(resources.resources),
+    }
+    placement_group = get_current_placement_group()
+    if placement_group is not None:
+        worker_options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundle_index
+        )
+    return worker_options
+
+
+def _start_drafter(config: ServeConfig, drafter_factory: DrafterFactory) -> Any:
+    options = _worker_options(config.placement.drafter, DRAFTER_BUNDLE)
+    return DrafterWorker.options(**options, max_restarts=DRAFTER_MAX_RESTARTS).remote(drafter_factory)
+
+
+def _start_target_in_coordinator(
+    config: ServeConfig, target_factory: TargetFactory, drafter_factory: DrafterFactory
+) -> tuple[Target, Drafter]:
+    """The drafter actor, and the target model loaded here while the actor starts."""
+    drafter_actor = _start_drafter(config, drafter_factory)
+    target = LocalTarget(target_factory())
+    drafter = RayDrafter(drafter_actor)
+    _deliver_features(config, target, drafter)
+    return graph_workers(target, drafter, config.placement.overlap, "sockets")
 
 
 def _start_actors(
@@ -86,31 +125,16 @@ def _start_actors(
     """Starts the workers in this replica's placement group (anywhere when there is none)."""
     placement_group = get_current_placement_group()
     placement = config.placement
-
-    def options(resources: WorkerResources, bundle_index: int) -> dict[str, Any]:
-        worker_options: dict[str, Any] = {
-            "num_cpus": resources.num_cpus,
-            "num_gpus": resources.num_gpus,
-            "resources": dict(resources.resources),
-        }
-        if placement_group is not None:
-            worker_options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=bundle_index
-            )
-        return worker_options
-
     drafter_actor = None
     target_bundle = DRAFTER_BUNDLE
     if drafter_factory is not None:
-        drafter_actor = DrafterWorker.options(
-            **options(placement.drafter, DRAFTER_BUNDLE), max_restarts=DRAFTER_MAX_RESTARTS
-        ).remote(drafter_factory)
+        drafter_actor = _start_drafter(config, drafter_factory)
         target_bundle = TARGET_BUNDLE
     if placement.tensor_parallel_size > 1:
         drafter = RayDrafter(drafter_actor) if drafter_actor is not None else None
         return start_target_group(config, placement_group, target_bundle), drafter
     target_actor = TargetWorker.options(
-        **options(placement.target, target_bundle), max_restarts=placement.target_max_restarts
+        **_worker_options(placement.target, target_bundle), max_restarts=placement.target_max_restarts
     ).remote(target_factory)
     # Both workers start (process, imports, model load) at once; each adapter waits for its own,
     # so a group comes up, or is replaced after a fault, in the time of the slower one.
@@ -124,7 +148,7 @@ def _start_actors(
     return target, drafter
 
 
-def _deliver_features(config: ServeConfig, target: RayTarget, drafter: RayDrafter) -> None:
+def _deliver_features(config: ServeConfig, target: RayTarget | LocalTarget, drafter: RayDrafter) -> None:
     """Features by CUDA IPC handle when both models lie on one GPU and the config allows it.
 
     Under a step graph (Ray's or the sockets') the drafter opens each delivery in its execution.

@@ -263,6 +263,43 @@ class TargetChannelServer(_ChannelServer):
             self._drafter = None
 
 
+class LocalTargetEnd:
+    """The target's end inside the Coordinator's own process (`placement.workers:
+    target_in_coordinator`): each `TargetCall` runs in the caller's thread, and its delivery goes
+    to the drafter over a connection of the target's role, as a target actor's server sends it.
+
+    The graph's results need no reply to wait for: `run` returns the call's outcome."""
+
+    def __init__(self, run_call: Callable[[TargetCall, bool], tuple[Any, ContextDelivery | None]]) -> None:
+        """`run_call(call, deliver)` -> (output, the drafter's delivery or None)."""
+        self._run_call = run_call
+        self._drafter: socket.socket | None = None
+
+    def connect(self, drafter_address: ChannelAddress) -> None:
+        self.close()
+        self._drafter = connect(drafter_address, _ROLE_TARGET)
+
+    def run(self, execution: int, call: TargetCall) -> tuple[bool, Any]:
+        """Run `call` and deliver its features (or its error) to the drafter -> (ok, output or
+        error). A drafter that left gets no more; the Coordinator's own connection to it says so."""
+        try:
+            output, delivery = self._run_call(call, self._drafter is not None)
+            outcome, sent = (True, output), (execution, True, delivery)
+        except Exception as error:
+            outcome, sent = (False, error), (execution, False, _sendable(error))
+        if self._drafter is not None:
+            try:
+                send_message(self._drafter, sent)
+            except OSError:
+                self.close()
+        return outcome
+
+    def close(self) -> None:
+        if self._drafter is not None:
+            self._drafter.close()
+            self._drafter = None
+
+
 @dataclass
 class _DrafterMessage:
     seq: int
@@ -400,6 +437,19 @@ class _Reply:
         return self._graph.wait(self._connection, self._seq, timeout)
 
 
+class _Done:
+    """A node that already ran (the target in the Coordinator's process): its outcome."""
+
+    def __init__(self, ok: bool, value: Any) -> None:
+        self._ok = ok
+        self._value = value
+
+    def get(self, timeout: float) -> Any:
+        if not self._ok:
+            raise self._value
+        return self._value
+
+
 class _NoReply:
     """A node that gives nothing back (a call the Coordinator does not wait for)."""
 
@@ -413,15 +463,24 @@ _NONE = _NoReply()
 class SocketGraph:
     """The Coordinator's side: `execute` and `teardown`, as a compiled graph offers them."""
 
-    def __init__(self, target_actor: Any, drafter_actor: Any, overlap: bool) -> None:
-        self._actors = (target_actor, drafter_actor)
+    def __init__(self, target: Any, drafter_actor: Any, overlap: bool) -> None:
+        """`target`: the target actor, or the `LocalTargetEnd` of a target in this process."""
         self._overlap = overlap
         drafter_address = ray.get(drafter_actor.open_step_channel.remote(overlap))
-        target_address = ray.get(target_actor.open_step_channel.remote(drafter_address))
-        self._target = _Connection(connect(target_address, _ROLE_COORDINATOR), "target")
-        self._drafter = _Connection(connect(drafter_address, _ROLE_COORDINATOR), "drafter")
+        self._local_target: LocalTargetEnd | None = None
+        self._actors: tuple[Any, ...] = (drafter_actor,)
+        connections = [_Connection(connect(drafter_address, _ROLE_COORDINATOR), "drafter")]
+        if isinstance(target, LocalTargetEnd):
+            target.connect(drafter_address)
+            self._local_target = target
+        else:
+            self._actors = (target, drafter_actor)
+            target_address = ray.get(target.open_step_channel.remote(drafter_address))
+            connections.append(_Connection(connect(target_address, _ROLE_COORDINATOR), "target"))
+        self._drafter, self._connections = connections[0], tuple(connections)
+        self._target = connections[1] if len(connections) > 1 else None
         self._selector = selectors.DefaultSelector()
-        for connection in (self._target, self._drafter):
+        for connection in self._connections:
             self._selector.register(connection.socket, selectors.EVENT_READ, connection)
         self._executions = itertools.count()
 
@@ -430,7 +489,7 @@ class SocketGraph:
         (target output, drafter node), overlapped (draft, target output, after-delivery node)."""
         execution = next(self._executions)
         target_reply: Any = _NONE
-        if target_call is not None:
+        if target_call is not None and self._target is not None:
             target_reply = _Reply(self, self._target, self._target.send((execution, target_call)))
         drafter_reply: Any = _NONE
         if drafter_call is not None or target_call is not None:
@@ -438,6 +497,9 @@ class SocketGraph:
             seq = self._drafter.send((execution, drafter_call, target_call is not None, wants_reply))
             if wants_reply:
                 drafter_reply = _Reply(self, self._drafter, seq)
+        if target_call is not None and self._local_target is not None:
+            # After the drafter's message: an overlapped draft runs there while the target works here.
+            target_reply = _Done(*self._local_target.run(execution, target_call))
         if self._overlap:
             return drafter_reply, target_reply, _NONE
         return target_reply, drafter_reply
@@ -483,5 +545,7 @@ class SocketGraph:
             except Exception:  # a dead worker's end closed with it
                 logger.debug("close_step_channel failed", exc_info=True)
         self._selector.close()
-        for connection in (self._target, self._drafter):
+        for connection in self._connections:
             connection.socket.close()
+        if self._local_target is not None:
+            self._local_target.close()

@@ -59,9 +59,10 @@ from ddtree_serve.engine.interfaces import (
     VerifyOutput,
 )
 from ddtree_serve.serve.call_trace import CallStamps, CallTrace, mark
-from ddtree_serve.serve.device_features import DeviceFeatures, TakenFeatures, cuda_device_uuid, wire_features
+from ddtree_serve.serve.device_features import DeviceFeatures, TakenFeatures, cuda_device_uuid
 from ddtree_serve.serve.graph_calls import ContextDelivery, DrafterCall, TargetCall
 from ddtree_serve.serve.step_sockets import ChannelAddress, DrafterChannelServer, TargetChannelServer
+from ddtree_serve.serve.target_calls import TargetCallRunner
 from ddtree_serve.serve.wire import from_wire, to_wire
 
 TargetFactory = Callable[[], Target]
@@ -93,14 +94,9 @@ class TargetWorker:
         self._target = build_target()
         # A restarted process serves no step until its Coordinator has a new engine over it.
         self._serving = not ray.get_runtime_context().was_current_actor_reconstructed
-        # Compiled step graph only: (call id, wired output) of the last graph call.
-        self._last_graph_call: tuple[int | None, Wired] = (None, None)
         self._trace = CallTrace()
-        # Context features stay on this GPU behind a handle (the drafter shares it), or go
-        # through host memory (the default; see `deliver_features_on_device`); a call's
-        # features below `_device_min_bytes` go through host memory anyway.
-        self._features_on_device = False
-        self._device_min_bytes = 0
+        # The step graph's calls, and how context features leave (see `deliver_features_on_device`).
+        self._graph_calls = TargetCallRunner(self._target, self._trace, wired=True)
         # Transport 'sockets': the thread serving graph calls, and the lock it holds per call.
         self._model_lock = threading.Lock()
         self._step_channel: TargetChannelServer | None = None
@@ -113,7 +109,7 @@ class TargetWorker:
             "verify_token_buckets": self._target.verify_token_buckets,
             "serving": self._serving,
             "device_uuid": _device_uuid(self._target),
-            "features_on_device": self._features_on_device,
+            "features_on_device": self._graph_calls.features_on_device,
         }
 
     def deliver_features_on_device(self, min_bytes: int = 0) -> None:
@@ -121,8 +117,7 @@ class TargetWorker:
         group found the drafter's model on this target's GPU. A handle must be opened once, and
         at once (the target's block lives until then). `min_bytes`: a call's features below it
         go through host memory (`placement.features: auto`)."""
-        self._features_on_device = True
-        self._device_min_bytes = min_bytes
+        self._graph_calls.deliver_features_on_device(min_bytes)
 
     def trace_calls(self, enabled: bool) -> None:
         """Stamp each step call's parts from now on (or stop); see `call_trace.py`."""
@@ -172,7 +167,7 @@ class TargetWorker:
         return self._wire_features(self._target.encode_context(from_wire(inputs)))
 
     def _wire_features(self, features: Any) -> Wired:
-        return wire_features(features, self._features_on_device, self._device_min_bytes)
+        return self._graph_calls.wire_features(features)
 
     def release(self, slot: int) -> None:
         if self._serving:  # a restarted process holds nothing to release
@@ -191,30 +186,11 @@ class TargetWorker:
         return self._graph_call(call, deliver=True)
 
     def _graph_call(self, call: TargetCall | None, deliver: bool) -> tuple[Wired, ContextDelivery | None]:
-        """`graph_call`; `deliver` False: no features (no drafter in the graph takes them, and a
-        device handle never opened would keep its block)."""
+        """`graph_call`; `deliver` False: no features (`TargetCallRunner.run`)."""
         if call is None:
             return None, None
         self._check_serving()
-        with self._trace.call(f"graph_call:{call.method}") as stamps:
-            for slot in call.releases:
-                self._target.release(slot)
-            result: tuple[Wired, ContextDelivery | None] = (None, None)
-            if call.method is not None:
-                inputs = from_wire(call.inputs)
-                mark(stamps, "unwire")
-                output = getattr(self._target, call.method)(inputs)
-                mark(stamps, "model")
-                if call.method == "encode_context":
-                    result = None, self._delivery(inputs.slots, output) if deliver else None
-                else:
-                    wants_context = deliver and (call.method == "prefill" or inputs.return_context)
-                    bonus = output.bonus_token.tolist() if call.method == "verify_and_commit" else None
-                    context = self._delivery(inputs.slots, output.context, bonus) if wants_context else None
-                    result = to_wire(dataclasses.replace(output, context=None)), context
-                mark(stamps, "wire")
-            self._last_graph_call = (call.call_id, result[0])
-            return result
+        return self._graph_calls.run(call, deliver)
 
     def replay_graph_call(self, call: TargetCall) -> Wired:
         """The output of `call` without the graph (its drafter is lost): kept if it ran (the
@@ -222,10 +198,8 @@ class TargetWorker:
 
         Called with the graph torn down, so no graph call runs at the same time."""
         with self._model_lock:  # a socket graph's call still running finishes first
-            last_id, output = self._last_graph_call
-            if last_id == call.call_id:
-                return output
-            return self._graph_call(call, deliver=False)[0]
+            self._check_serving()
+            return self._graph_calls.replay(call)
 
     def open_step_channel(self, drafter_address: ChannelAddress | None) -> ChannelAddress:
         """Transport 'sockets': serve graph calls from the Coordinator that connects to the
@@ -240,12 +214,6 @@ class TargetWorker:
         if self._step_channel is not None:
             self._step_channel.close()
             self._step_channel = None
-
-    def _delivery(
-        self, slots: Any, context: ContextHandle, bonus_tokens: list[int] | None = None
-    ) -> ContextDelivery:
-        bonus = None if bonus_tokens is None else tuple(bonus_tokens)
-        return ContextDelivery(tuple(slots), self._wire_features(context), bonus)
 
 
 @ray.remote

@@ -32,6 +32,10 @@ def test_the_default_transport_is_the_socket_graph_wherever_it_applies() -> None
         ({"mode": "ar"}, {"overlap": True}, "needs a drafter"),
         ({}, {"overlap": True, "workers": "in_process"}, "workers 'actors'"),
         ({"budget_policy": "adaptive"}, {"overlap": True}, "budget_policy 'fixed'"),
+        ({"mode": "ar"}, {"workers": "target_in_coordinator"}, "needs a drafter"),
+        ({}, {"workers": "target_in_coordinator", "transport": "compiled_graph"}, "transport 'sockets'"),
+        ({}, {"workers": "target_in_coordinator", "transport": "actor_calls"}, "transport 'sockets'"),
+        ({}, {"workers": "target_in_coordinator", "tensor_parallel_size": 2}, "needs workers 'actors'"),
     ],
 )
 def test_combinations_that_cannot_run_are_refused(engine: dict, placement: dict, message: str) -> None:
@@ -42,3 +46,29 @@ def test_combinations_that_cannot_run_are_refused(engine: dict, placement: dict,
 def test_compiled_graph_with_overlap_is_accepted() -> None:
     config = ServeConfig.model_validate({"placement": {"transport": "compiled_graph", "overlap": True}})
     assert config.placement.overlap
+
+
+def test_a_target_in_the_coordinator_brings_its_resources_into_bundle_0() -> None:
+    """The replica reserves the target's GPU and CPUs beside its own; no target bundle follows."""
+    from ddtree_serve.serve.coordinator import Coordinator
+    from ddtree_serve.serve.group import placement_bundles
+
+    placement = {
+        "workers": "target_in_coordinator",
+        "overlap": True,
+        "coordinator": {"num_cpus": 0.25, "resources": {"slot": 1.0}},
+        "drafter": {"num_cpus": 0.5, "num_gpus": 0.5},
+        "target": {"num_cpus": 1.0, "num_gpus": 0.5, "resources": {"slot": 0.5}},
+        "node_type": {"accelerator_type:H200": 0.001},
+    }
+    config = ServeConfig.model_validate({"placement": placement})
+    assert config.transport == "sockets"
+    assert placement_bundles(config) == [
+        {"CPU": 1.25, "GPU": 0.5, "slot": 1.5, "accelerator_type:H200": 0.001},
+        {"CPU": 0.5, "GPU": 0.5},
+    ]
+    actor_options = Coordinator.get_deployment_options(config)["ray_actor_options"]
+    assert actor_options == {"num_cpus": 1.25, "num_gpus": 0.5, "resources": {"slot": 1.5}}
+    two_actors = ServeConfig.model_validate({"placement": {**placement, "workers": "actors"}})
+    assert len(placement_bundles(two_actors)) == 3
+    assert "num_gpus" not in Coordinator.get_deployment_options(two_actors)["ray_actor_options"]
