@@ -423,10 +423,12 @@ def engine_step_table(
     gpu_share = int(1e4 / max(num_actors, 1)) / 1e4 if device.startswith("cuda") else 0.0
     small = {"num_cpus": 0.1, "num_gpus": gpu_share}
     for name, placement, _, overlap, _ in configurations:
-        shape = overlap and placement == "target_in_coordinator"
+        local = placement == "target_in_coordinator"
+        # Two actors start bare (actor calls): a configuration's own graph is built each round.
+        shape = {"overlap": overlap} if local else {"transport": "actor_calls"}
         config = ServeConfig(
             engine=engine_config,
-            placement={"workers": placement, "overlap": shape, "drafter": small, "target": small},  # type: ignore[arg-type]
+            placement={"workers": placement, **shape, "drafter": small, "target": small},  # type: ignore[arg-type]
         )
         workers[name] = start_workers(config)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
@@ -438,9 +440,9 @@ def engine_step_table(
             target, drafter = workers[name]
             if graph is not None:
                 target, drafter = graph_workers(target, drafter, overlap, graph)  # type: ignore[arg-type]
-            traced = placement == "actors" and not overlap
+            traced = placement != "in_process" and not overlap
             if traced:
-                ray.get([w.actor.trace_calls.remote(True) for w in (target, drafter)])  # type: ignore[union-attr]
+                ray.get([w.actor.trace_calls.remote(True) for w in _with_actors(target, drafter)])
                 target, drafter = _stamper(target), _stamper(drafter)  # type: ignore[assignment]
             engine = SpecEngine(settings, target, drafter, tokenizer, overlap=overlap, chain_drafts=chained)
             for i in range(batch_size):
@@ -495,7 +497,13 @@ def _take_traces(target: Any, drafter: Any) -> tuple[list[Any], list[Any]]:
     for stamper in (target, drafter):
         for calls in stamper.calls.values():
             calls.clear()
+    if getattr(target.inner, "actor", None) is None:  # the target in this process: no trace
+        return [], ray.get(drafter.actor.take_call_trace.remote())
     return tuple(ray.get([w.actor.take_call_trace.remote() for w in (target, drafter)]))  # type: ignore[return-value]
+
+
+def _with_actors(*workers: Any) -> list[Any]:
+    return [w for w in workers if getattr(w, "actor", None) is not None]
 
 
 def main() -> None:

@@ -131,7 +131,7 @@ class StepGraph:
         if isinstance(target, LocalTarget) and transport != "sockets":
             raise ValueError("a target in the Coordinator's process needs the socket step graph")
         self._target = target
-        self._target_wired = isinstance(target, RayTarget)
+        self._target_wired = not isinstance(target, LocalTarget)
         self._drafter = drafter
         self._overlap = overlap
         self.transport = transport
