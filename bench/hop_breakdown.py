@@ -384,7 +384,7 @@ def engine_step_table(
     An idle compiled graph's actors poll their channels (a core each): only the graph of the
     configuration being timed exists, compiled again each round over that configuration's
     actors, so the others' figures are not skewed."""
-    from ddtree_serve.serve.compiled_graph import graph_workers
+    from ddtree_serve.serve.compiled_graph import GraphTarget, graph_workers
     from ddtree_serve.serve.config import ServeConfig
     from ddtree_serve.serve.group import start_workers
 
@@ -481,6 +481,8 @@ def engine_step_table(
             if graph is not None:
                 target.close()  # type: ignore[union-attr]
     for target, drafter in workers.values():
+        if isinstance(target, GraphTarget):  # a local target's graph, built by `start_workers`
+            target.close()
         for worker in (target, drafter):
             if getattr(worker, "actor", None) is not None:
                 ray.kill(worker.actor)

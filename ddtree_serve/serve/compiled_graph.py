@@ -29,11 +29,12 @@ one graph for all of it; released slots travel with the next execution (`graph_c
 
 Faults: a dead drafter breaks the graph. It is torn down (the actors live on), the target's
 call of the broken execution is replayed from the target's last result (or run, if it never
-ran), and target calls go as plain actor calls while `GraphDrafter.is_available` waits for Ray
-to restart the drafter; then the graph is compiled again and the engine rebuilds the
-drafter's context (`SpecEngine._restore_drafter`). A dead (or restarted) target is
-`TargetUnavailableError`; the Coordinator's new engine after a target restart compiles a new
-graph (`discard` drops the old one).
+ran), and target calls go as plain actor calls (or run here, for a target in this process:
+`local_target.py`) while `GraphDrafter.is_available` waits for Ray to restart the drafter; then
+the graph is compiled again and the engine rebuilds the drafter's context
+(`SpecEngine._restore_drafter`). A dead (or restarted) target is `TargetUnavailableError`; the
+Coordinator's new engine after a target restart compiles a new graph (`discard` drops the old
+one).
 """
 
 import dataclasses
@@ -131,7 +132,7 @@ class StepGraph:
         if isinstance(target, LocalTarget) and transport != "sockets":
             raise ValueError("a target in the Coordinator's process needs the socket step graph")
         self._target = target
-        self._target_wired = not isinstance(target, LocalTarget)
+        self._local_target = target if isinstance(target, LocalTarget) else None
         self._drafter = drafter
         self._overlap = overlap
         self.transport = transport
@@ -152,8 +153,8 @@ class StepGraph:
 
     def _compile(self) -> None:
         drafter = self._drafter.actor
-        if isinstance(self._target, LocalTarget):
-            self._graph = SocketGraph(self._target.step_end(), drafter, self._overlap)
+        if self._local_target is not None:
+            self._graph = SocketGraph(self._local_target.step_end(), drafter, self._overlap)
             return
         target = self._target.actor
         if self.transport == "sockets":
@@ -205,7 +206,7 @@ class StepGraph:
 
     def _target_inputs(self, inputs: Any) -> Any:
         """A target call's inputs as its target takes them: wired for an actor."""
-        return to_wire(inputs) if self._target_wired else inputs
+        return inputs if self._local_target is not None else to_wire(inputs)
 
     def submit_verify_then_draft(
         self, inputs: VerifyInput, top_k: int, finish: Any
@@ -277,7 +278,7 @@ class StepGraph:
             copy = self.transport == "compiled_graph"
             for role, ref in refs:
                 value = ref.get(timeout=_GET_TIMEOUT_S)
-                if role != "target" or self._target_wired:
+                if role != "target" or self._local_target is None:
                     value = from_wire(value, copy=copy)
                 if role is not None:
                     setattr(execution, f"{role}_result", value)
@@ -304,7 +305,7 @@ class StepGraph:
             self._run_plain_target(execution)
 
     def _run_plain(self, execution: _Execution) -> None:
-        """While the drafter is lost: the target's call as a plain actor call, no draft."""
+        """While the drafter is lost: the target's call without the graph, no draft."""
         lost = DrafterUnavailableError("the drafter is lost; the graph waits for it")
         if execution.draft is not None and execution.draft.inputs is not None:
             execution.draft_error = lost
@@ -314,11 +315,13 @@ class StepGraph:
             self._run_plain_target(execution)
 
     def _run_plain_target(self, execution: _Execution) -> None:
-        """The target's call as a plain actor call: its result kept from the broken execution,
-        or run now (without features: no drafter takes them)."""
+        """The target's call as a plain actor call (or here, for a target in this process): its
+        result kept from the broken execution, or run now (without features: no drafter takes
+        them)."""
         assert execution.target is not None
-        if isinstance(self._target, LocalTarget):
-            execution.target_result = self._target.calls.replay(execution.target)
+        if self._local_target is not None:
+            execution.target_result = self._local_target.calls.replay(execution.target)
+            self._run_while_waiting()  # the engine's verify hook runs once a verify, as below
             return
         ref = self._target.actor.replay_graph_call.remote(execution.target)
         self._run_while_waiting()
@@ -330,7 +333,7 @@ class StepGraph:
 
 class GraphTarget:
     """`Target` (and `PipelinedTarget`, `DraftChainingTarget`) over the step graph; metadata from
-    the `RayTarget`."""
+    the `RayTarget` (or the `LocalTarget`)."""
 
     def __init__(self, graph: StepGraph, target: RayTarget | LocalTarget) -> None:
         self._graph = graph

@@ -16,38 +16,30 @@ leaves the group decoding plainly; the target dies only with the replica, which 
 from typing import Any
 
 from ddtree_serve.engine.interfaces import Target
-from ddtree_serve.serve.call_trace import CallTrace
 from ddtree_serve.serve.device_features import cuda_device_uuid
 from ddtree_serve.serve.step_sockets import LocalTargetEnd
 from ddtree_serve.serve.target_calls import TargetCallRunner
+from ddtree_serve.serve.workers import DescribedTarget
 
 
-class LocalTarget:
+class LocalTarget(DescribedTarget):
     """The step graph's target when it is a model in this process: the `RayTarget` of the group
     without the actor (metadata, liveness, where features go)."""
 
     actor = None  # no worker actor: faults drills find only the drafter's
 
     def __init__(self, target: Target) -> None:
+        super().__init__(
+            {
+                "vocab_size": target.vocab_size,
+                "eos_token_ids": tuple(target.eos_token_ids),
+                "max_seq_len": target.max_seq_len,
+                "verify_token_buckets": target.verify_token_buckets,
+            }
+        )
         self.model = target
-        self.calls = TargetCallRunner(target, CallTrace(), wired=False)
+        self.calls = TargetCallRunner(target, wired=False)
         self.device_uuid: str | None = cuda_device_uuid(getattr(target, "device", None))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.model.eos_token_ids)
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.model.max_seq_len
-
-    @property
-    def verify_token_buckets(self) -> tuple[int, ...] | None:
-        return self.model.verify_token_buckets
 
     async def check_alive(self) -> None:
         """Alive while this replica is: a target that failed ended the engine thread, which the

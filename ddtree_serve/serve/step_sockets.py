@@ -17,6 +17,10 @@ also takes that call's delivery (the features, or the error the target call rais
 the target's connection as soon as it arrives so the target never blocks on a full socket. The
 Coordinator likewise reads whichever connection has data while it waits for a reply.
 
+With the target inside the Coordinator (`placement.workers: target_in_coordinator`) there are
+two connections, both to the drafter: the Coordinator's, and one of the target's role over
+which `LocalTargetEnd` sends each target call's delivery from a thread of its own.
+
 A worker listens on its node's address (the Coordinator may run on another node) and drops a
 connection whose first bytes are not the token it handed out through Ray. `close` (a Ray call,
 `close_step_channel`) waits for the call in progress and stops the thread; a message still in
@@ -29,6 +33,7 @@ import hmac
 import itertools
 import logging
 import pickle
+import queue
 import secrets
 import selectors
 import socket
@@ -52,6 +57,8 @@ _HEADER = struct.Struct("<QI")
 _LENGTH = struct.Struct("<Q")
 # A connecting peer has this long to send its token.
 _HELLO_TIMEOUT_S = 5.0
+# A closing target end lets its queued deliveries go for this long before cutting the connection.
+_CLOSE_WAIT_S = 1.0
 # Socket buffers large enough for a batch's tree buffers or drafts in one go.
 _SOCKET_BUFFER_BYTES = 8 << 20
 
@@ -268,36 +275,70 @@ class LocalTargetEnd:
     target_in_coordinator`): each `TargetCall` runs in the caller's thread, and its delivery goes
     to the drafter over a connection of the target's role, as a target actor's server sends it.
 
-    The graph's results need no reply to wait for: `run` returns the call's outcome."""
+    Deliveries leave from a thread of their own, in order: the caller (the engine thread) goes
+    on to read the drafter's replies at once, so a drafter blocked sending a large draft never
+    waits on a delivery stuck behind it in a full socket. The graph's results need no reply to
+    wait for: `run` returns the call's outcome."""
 
     def __init__(self, run_call: Callable[[TargetCall, bool], tuple[Any, ContextDelivery | None]]) -> None:
         """`run_call(call, deliver)` -> (output, the drafter's delivery or None)."""
         self._run_call = run_call
         self._drafter: socket.socket | None = None
+        self._outbox: queue.SimpleQueue[tuple[int, bool, Any] | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._drafter_left = threading.Event()
 
     def connect(self, drafter_address: ChannelAddress) -> None:
         self.close()
         self._drafter = connect(drafter_address, _ROLE_TARGET)
+        self._outbox, self._drafter_left = queue.SimpleQueue(), threading.Event()
+        self._sender = threading.Thread(
+            target=self._send_all,
+            args=(self._drafter, self._outbox, self._drafter_left),
+            name="step-deliveries",
+            daemon=True,
+        )
+        self._sender.start()
 
     def run(self, execution: int, call: TargetCall) -> tuple[bool, Any]:
-        """Run `call` and deliver its features (or its error) to the drafter -> (ok, output or
+        """Run `call` and queue its features (or its error) for the drafter -> (ok, output or
         error). A drafter that left gets no more; the Coordinator's own connection to it says so."""
+        connected = self._drafter is not None and not self._drafter_left.is_set()
         try:
-            output, delivery = self._run_call(call, self._drafter is not None)
+            output, delivery = self._run_call(call, connected)
             outcome, sent = (True, output), (execution, True, delivery)
         except Exception as error:
             outcome, sent = (False, error), (execution, False, _sendable(error))
-        if self._drafter is not None:
-            try:
-                send_message(self._drafter, sent)
-            except OSError:
-                self.close()
+        if connected:
+            self._outbox.put(sent)
         return outcome
 
+    @staticmethod
+    def _send_all(
+        sock: socket.socket, outbox: "queue.SimpleQueue[tuple[int, bool, Any] | None]", left: threading.Event
+    ) -> None:
+        while (sent := outbox.get()) is not None:
+            try:
+                send_message(sock, sent)
+            except OSError:
+                left.set()
+                return
+
     def close(self) -> None:
-        if self._drafter is not None:
-            self._drafter.close()
-            self._drafter = None
+        """Stop the sender (after what it has queued, or at once if the drafter stopped reading)
+        and close the connection."""
+        if self._drafter is None:
+            return
+        sender, sock = self._sender, self._drafter
+        self._outbox.put(None)
+        if sender is not None:
+            sender.join(timeout=_CLOSE_WAIT_S)
+        with contextlib.suppress(OSError):  # unblocks a sender stuck in a full socket
+            sock.shutdown(socket.SHUT_RDWR)
+        if sender is not None:
+            sender.join()
+        sock.close()
+        self._drafter = self._sender = None
 
 
 @dataclass

@@ -9,6 +9,7 @@ own process takes the engine's values as they are and hands its output back unto
 features still go to the drafter's process, so they are wired either way.
 """
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -22,8 +23,9 @@ from ddtree_serve.serve.wire import from_wire, to_wire
 class TargetCallRunner:
     """Runs `TargetCall`s on one target and keeps the last output for a replay."""
 
-    def __init__(self, target: Target, trace: CallTrace, wired: bool) -> None:
-        """`wired`: calls arrive and outputs leave as `to_wire` values (the target actor)."""
+    def __init__(self, target: Target, wired: bool, trace: CallTrace | None = None) -> None:
+        """`wired`: calls arrive and outputs leave as `to_wire` values (the target actor);
+        `trace`: the worker's call stamps (`call_trace.py`), if it keeps any."""
         self._target = target
         self._trace = trace
         self._wired = wired
@@ -57,7 +59,8 @@ class TargetCallRunner:
         would keep its block)."""
         if call is None:
             return None, None
-        with self._trace.call(f"graph_call:{call.method}") as stamps:
+        stamping = self._trace.call(f"graph_call:{call.method}") if self._trace else contextlib.nullcontext()
+        with stamping as stamps:
             for slot in call.releases:
                 self._target.release(slot)
             result: tuple[Any, ContextDelivery | None] = (None, None)

@@ -96,7 +96,7 @@ class TargetWorker:
         self._serving = not ray.get_runtime_context().was_current_actor_reconstructed
         self._trace = CallTrace()
         # The step graph's calls, and how context features leave (see `deliver_features_on_device`).
-        self._graph_calls = TargetCallRunner(self._target, self._trace, wired=True)
+        self._graph_calls = TargetCallRunner(self._target, wired=True, trace=self._trace)
         # Transport 'sockets': the thread serving graph calls, and the lock it holds per call.
         self._model_lock = threading.Lock()
         self._step_channel: TargetChannelServer | None = None

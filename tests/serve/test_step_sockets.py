@@ -17,6 +17,8 @@ from ddtree_serve.serve.graph_calls import ContextDelivery, DrafterCall, TargetC
 from ddtree_serve.serve.step_sockets import (
     ChannelAddress,
     DrafterChannelServer,
+    LocalTargetEnd,
+    SocketGraph,
     TargetChannelServer,
     connect,
     recv_message,
@@ -195,3 +197,46 @@ def test_a_drafter_lost_again_while_its_graph_is_rebuilt_stays_lost() -> None:
     assert drafter.is_available() is False
     assert drafter.is_available() is False
     assert graph.attempts == 2
+
+
+class _InProcessDrafter:
+    """A drafter "actor" whose step server runs in this process (`ray.get` patched to identity)."""
+
+    def __init__(self, draft: Any) -> None:
+        self.server: DrafterChannelServer | None = None
+        self._draft = draft
+        self.open_step_channel = SimpleNamespace(remote=self._open)
+        self.close_step_channel = SimpleNamespace(remote=lambda: self.server.close() if self.server else None)
+
+    def _open(self, overlap: bool) -> ChannelAddress:
+        take = lambda delivery, call: None
+        self.server = DrafterChannelServer(self._draft, take, threading.Lock(), overlap)
+        return self.server.address
+
+
+def test_a_target_in_the_coordinator_never_waits_on_a_drafter_sending_a_large_draft(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Overlapped shape, target in the Coordinator's process: the drafter drafts first and sends
+    a draft larger than the socket buffers while the local target's delivery (as large) is on its
+    way; the delivery leaves from its own thread, so the engine thread reads the draft and
+    neither side blocks for good."""
+    import ddtree_serve.serve.step_sockets as step_sockets
+
+    monkeypatch.setattr(step_sockets.ray, "get", lambda value, timeout=None: value)
+    size = 48 << 20
+    drafter = _InProcessDrafter(lambda call: np.ones(size, np.uint8))
+    end = LocalTargetEnd(lambda call, deliver: ("verified", np.ones(size, np.uint8) if deliver else None))
+    graph = SocketGraph(end, drafter, overlap=True)
+    results: list[Any] = []
+
+    def step() -> None:
+        verify = TargetCall(0, (), "verify_and_commit", None)
+        draft, target, _ = graph.execute(DrafterCall((), "block"), verify)
+        results.extend([target.get(30.0), len(draft.get(30.0))])
+
+    runner = threading.Thread(target=step, daemon=True)
+    runner.start()
+    runner.join(timeout=60.0)
+    assert results == ["verified", size], "the step hung"
+    graph.teardown()
