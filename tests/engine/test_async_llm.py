@@ -182,3 +182,50 @@ def test_a_stream_opened_while_the_engine_dies_fails_instead_of_hanging(client, 
 
     with pytest.raises(EngineDeadError):
         asyncio.run(run())
+
+
+def test_a_steps_outputs_reach_each_loop_in_one_hand_over(make_pair_config, prompt_ids):
+    """Four streams on one loop: each step hands the loop its outputs once (a wake-up per step,
+    not per request), and every stream still gets its own tokens, equal to `LLM`'s."""
+    client = AsyncLLM(build_local_engine(make_pair_config(mode="ddtree", budget=4, max_num_seqs=4)))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    steps = 0
+    step = client.engine.step
+
+    def counted_step():
+        nonlocal steps
+        outputs = step()
+        steps += 1
+        return outputs
+
+    client.engine.step = counted_step
+    hand_overs = 0
+
+    async def collect():
+        nonlocal hand_overs
+        loop = asyncio.get_running_loop()
+        threadsafe = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            nonlocal hand_overs
+            hand_overs += 1
+            return threadsafe(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+
+        async def one(i):
+            return [o async for o in client.generate_stream(prompt_ids[i % len(prompt_ids)], params, f"r{i}")]
+
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    try:
+        streams = asyncio.run(collect())
+    finally:
+        client.shutdown()
+    finals = [outputs[-1].token_ids for outputs in streams]
+    llm = LLM.from_config(make_pair_config(mode="ddtree", budget=4, max_num_seqs=4))
+    prompts = [prompt_ids[i % len(prompt_ids)] for i in range(4)]
+    assert finals == [o.token_ids for o in llm.generate(prompts, params)]
+    # At most one hand-over per step and one per prefill's first tokens: fewer than the outputs.
+    assert sum(len(outputs) for outputs in streams) > hand_overs
+    assert hand_overs <= 2 * steps
