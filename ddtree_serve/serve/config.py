@@ -416,12 +416,14 @@ class ServeConfig(_Strict):
         "on a node that goes away takes its open connections with it.",
     )
     stream_batching_interval_ms: float = Field(
-        default=0.0,
+        default=50.0,
         ge=0.0,
-        description="Ray Serve LLM's setting of that name: a streamed request sends at most one chunk "
-        "per interval after its first (each with every token since the last); 0 = one per step. Each "
-        "chunk costs the Coordinator's event loop (Serve's stream protocol), which shares a process with "
-        "the engine loop: under high concurrency an interval frees it.",
+        description="Ray Serve LLM's setting of that name, and its default: a streamed request sends "
+        "at most one chunk per interval after its first (each with every token since the last; the "
+        "first and the finished chunk are never held back); 0 = one per step. Each chunk costs the "
+        "Coordinator's event loop (Serve's stream protocol), which shares a process with the engine "
+        "loop, and the ingress: on one H200 a 100 ms interval took gRPC from 0.62x to 0.72x of "
+        "in-process at concurrency 16 and from 0.48x to 0.65x at 64.",
     )
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig, description="Telemetry.")
 

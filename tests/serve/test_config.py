@@ -125,9 +125,9 @@ def test_plain_serveconfig_yaml_and_command_line_overrides(tmp_path: Path) -> No
     config = config_from_args(args)
     assert (config.model_name, config.engine.budget, config.engine.mode) == ("m", 8, "chain")
     assert (config.http.host, config.http.port, config.grpc.port) == ("127.0.0.1", 8200, 9200)
-    assert config.stream_batching_interval_ms == 0.0
-    interval = config_from_args(parser.parse_args(["--stream-batching-interval-ms", "50"]))
-    assert interval.stream_batching_interval_ms == 50.0
+    assert config.stream_batching_interval_ms == 50.0  # Ray Serve LLM's default
+    interval = config_from_args(parser.parse_args(["--stream-batching-interval-ms", "0"]))
+    assert interval.stream_batching_interval_ms == 0.0
     with pytest.raises(ValidationError):
         config_from_args(parser.parse_args(["--config", str(path), "--budget", "0"]))
     with pytest.raises(ValidationError):
