@@ -20,7 +20,15 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.protos import DDTreeServeStub
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
-from tests.serve.test_faults import completion_body, grpc_stream, health, http_stream, stream_text, wait_until
+from tests.serve.test_faults import (
+    completion_body,
+    group_identity,
+    grpc_stream,
+    health,
+    http_stream,
+    stream_text,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,13 +57,6 @@ def reference(cluster: ServeCluster) -> LLM:
     return LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
 
 
-def _worker_actors(cluster: ServeCluster) -> dict[str, Any]:
-    from ray import serve
-
-    coordinator = serve.get_deployment_handle("Coordinator", app_name=cluster.config.app_name)
-    return coordinator.worker_actors.remote().result()
-
-
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -79,7 +80,7 @@ def test_the_replica_holds_the_targets_gpu_and_only_the_drafter_is_an_actor(clus
     bundles = [[dict(b) for b in g["bundles"].values()] for g in groups]
     assert [{"CPU": 0.5, "GPU": 1.0}, {"CPU": 0.25, "GPU": 1.0}] in bundles
     assert ray.available_resources().get("GPU", 0) == 0  # the replica's and the drafter's
-    assert set(_worker_actors(cluster)) == {"drafter"}
+    assert set(group_identity(cluster)) == {"drafter"}
 
 
 def test_http_and_grpc_streams_equal_the_in_process_engine_and_speculate(
@@ -111,7 +112,7 @@ def test_killing_the_drafter_loses_no_request_and_the_group_stays_healthy(
     import ray
 
     expected = [o.text for o in reference.generate(PROMPTS, _greedy(STREAM_TOKENS))]
-    drafter = _worker_actors(cluster)["drafter"]
+    drafter = group_identity(cluster)["drafter"]
 
     async def run() -> tuple[list[Any], list[int], int]:
         async with (
