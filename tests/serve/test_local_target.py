@@ -133,6 +133,11 @@ def test_killing_the_drafter_loses_no_request_and_the_group_stays_healthy(
             results = await asyncio.gather(*streams, return_exceptions=True)
 
             async def speculating_again() -> bool:
+                """The engine finds the restarted drafter at a step: one short request a try."""
+                response = await client.post(
+                    f"{cluster.http_url}/v1/completions", json=completion_body(PROMPTS[0], 4)
+                )
+                assert response.status_code == 200, response.text
                 return (await health(client, cluster.http_url))[1]["speculating"] == 1
 
             await wait_until(speculating_again)
