@@ -201,6 +201,9 @@ def test_killing_the_drafter_loses_no_request_and_speculation_resumes(
             new_results = await asyncio.gather(*new)
 
             async def speculating_again() -> bool:
+                """The engine finds the restarted drafter at a step: one short request a try."""
+                response = await client.post(f"{url}/v1/completions", json=completion_body(NEW_PROMPTS[1], 4))
+                assert response.status_code == 200, response.text
                 return (await health(client, url))[1]["speculating"] == 1
 
             await wait_until(speculating_again)
