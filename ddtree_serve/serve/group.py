@@ -104,6 +104,7 @@ def _worker_options(resources: WorkerResources, bundle_index: int) -> dict[str, 
 
 
 def _start_drafter(config: ServeConfig, drafter_factory: DrafterFactory) -> Any:
+    """The drafter actor in its bundle; Ray restarts it however often it dies."""
     options = _worker_options(config.placement.drafter, DRAFTER_BUNDLE)
     return DrafterWorker.options(**options, max_restarts=DRAFTER_MAX_RESTARTS).remote(drafter_factory)
 
