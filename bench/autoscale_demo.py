@@ -84,6 +84,7 @@ def serve_config(policy: str, args: argparse.Namespace, ports: tuple[int, int]) 
                 "metrics_interval_s": 0.5,
             },
             "observability": {"metrics": False},
+            "stream_batching_interval_ms": 0.0,  # a chunk per step, as the earlier runs streamed
             "http": {"port": ports[0]},
             "grpc": {"port": ports[1]},
         }

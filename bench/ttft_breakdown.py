@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             "target": {"num_cpus": 0.1, "num_gpus": gpu_share},
         },
         ingress={"num_cpus": 0.1},  # type: ignore[arg-type]
+        stream_batching_interval_ms=0.0,  # a chunk per step, as the earlier tables ran
         http={"port": free_port()},  # type: ignore[arg-type]
         grpc={"port": free_port()},  # type: ignore[arg-type]
     )

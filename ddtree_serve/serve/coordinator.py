@@ -202,7 +202,8 @@ class Coordinator:
     # --------------------------------------------------------------------------------- requests
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Streams one chunk per engine step that committed tokens; the last has usage."""
+        """Streams one chunk per engine step that committed tokens (or per
+        `stream_batching_interval_ms`, each with every token since the last); the last has usage."""
         llm = self._supervisor.llm
         prompt = request.prompt
         prompt_ids = llm.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)

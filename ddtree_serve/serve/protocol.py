@@ -57,7 +57,8 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class GenerationChunk:
-    """Text and tokens committed by one engine step; the last chunk carries finish and usage."""
+    """Text and tokens committed by one engine step (or by the steps of one stream batching
+    interval); the last chunk carries finish and usage."""
 
     request_id: str
     text: str
