@@ -81,10 +81,13 @@ class _Stream:
             if not self._items:
                 await self._ready.wait()
                 continue
+            # A timer sets the event at `not_before` (no task per wait, as `wait_for` makes):
+            # the loop's condition then lets the held outputs go.
+            timer = self.loop.call_at(not_before, self._ready.set)
             try:
-                await asyncio.wait_for(self._ready.wait(), not_before - self.loop.time())
-            except TimeoutError:
-                break
+                await self._ready.wait()
+            finally:
+                timer.cancel()
         item = self._items.popleft()
         while isinstance(item, RequestOutput) and not item.finished and self._items:
             if isinstance(self._items[0], BaseException):
