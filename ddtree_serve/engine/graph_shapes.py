@@ -28,24 +28,32 @@ class VerifyGraphShapes:
         self.max_seq_len = max_seq_len
         # padded batch -> cache rows -> the tree-token buckets captured there.
         self._captured: dict[int, dict[int, set[int]]] = {}
+        # padded batch -> the tree-token buckets captured at any rows, ascending (kept here, not
+        # gathered again by every step's lookup).
+        self._buckets_of_batch: dict[int, tuple[int, ...]] = {}
 
     def record(self, batch_size: int, num_nodes: int, max_start: int) -> None:
         """A verify of `batch_size` trees padded to `num_nodes` nodes ran at `max_start`."""
         key = verify_bucket(batch_size, num_nodes, max_start, self.max_seq_len)
-        if key is not None:
-            padded_batch, padded_nodes, num_rows = key
-            self._captured.setdefault(padded_batch, {}).setdefault(num_rows, set()).add(padded_nodes)
+        if key is None:
+            return
+        padded_batch, padded_nodes, num_rows = key
+        self._captured.setdefault(padded_batch, {}).setdefault(num_rows, set()).add(padded_nodes)
+        buckets = self._buckets_of_batch.get(padded_batch, ())
+        if padded_nodes not in buckets:
+            self._buckets_of_batch[padded_batch] = tuple(sorted((*buckets, padded_nodes)))
 
     def captured_buckets(self, batch_size: int, max_start: int, below: int | None = None) -> tuple[int, ...]:
         """Tree-token buckets whose graph exists for this batch and context, ascending (`below`:
         only those smaller than it)."""
-        captured = self._captured.get(pick_bucket(batch_size, BATCH_BUCKETS) or 0)
+        padded_batch = pick_bucket(batch_size, BATCH_BUCKETS) or 0
+        captured = self._captured.get(padded_batch)
         if not captured:
             return ()
         found = []
         # Only the buckets captured at some context are looked up (a handful: the ceilings the
         # gate took), each at the rows its tree reads (a wider tree may read the next bucket).
-        for bucket in sorted(set().union(*captured.values())):
+        for bucket in self._buckets_of_batch[padded_batch]:
             if below is not None and bucket >= below:
                 break
             num_rows = row_bucket(max_start + bucket, self.max_seq_len)

@@ -63,6 +63,10 @@ _CLOSE_WAIT_S = 1.0
 _SOCKET_BUFFER_BYTES = 8 << 20
 
 
+RunTargetCall = Callable[[TargetCall, bool], tuple[Any, ContextDelivery | None]]
+"""`run_call(call, deliver)` -> (output, the drafter's delivery or None): a target's graph call."""
+
+
 class StepChannelError(ConnectionError):
     """A worker's end of the step sockets is gone (the worker died or closed it), or a reply
     did not come in time: the graph is broken, as when a compiled graph's actor died."""
@@ -130,6 +134,18 @@ def _sendable(error: Exception) -> Exception:
     except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
     return error
+
+
+def _run_target_call(
+    run_call: RunTargetCall, execution: int, call: TargetCall, deliver: bool
+) -> tuple[tuple[bool, Any], tuple[int, bool, Any]]:
+    """Run one target call -> ((ok, output or the error it raised), the drafter's message of its
+    execution: the call's delivery, or the error, which fails the drafter's node after it)."""
+    try:
+        output, delivery = run_call(call, deliver)
+    except Exception as error:
+        return (False, error), (execution, False, _sendable(error))
+    return (True, output), (execution, True, delivery)
 
 
 # ---------------------------------------------------------------------------- connections
@@ -224,11 +240,11 @@ class TargetChannelServer(_ChannelServer):
 
     def __init__(
         self,
-        run_call: Callable[[TargetCall, bool], tuple[Any, ContextDelivery | None]],
+        run_call: RunTargetCall,
         lock: threading.Lock,
         drafter_address: ChannelAddress | None,
     ) -> None:
-        """`run_call(call, deliver)` -> (wired output, the drafter's delivery or None)."""
+        """`run_call`: the target's graph call (its output wired)."""
         super().__init__(lock)
         self._run_call = run_call
         self._drafter = None if drafter_address is None else connect(drafter_address, _ROLE_TARGET)
@@ -250,14 +266,10 @@ class TargetChannelServer(_ChannelServer):
             with self._lock:
                 if self._closed:
                     return
-                try:
-                    output, delivery = self._run_call(call, self._drafter is not None)
-                    reply, sent = (seq, True, output), (execution, True, delivery)
-                except Exception as error:
-                    reply = (seq, False, _sendable(error))
-                    sent = (execution, False, reply[2])
+                deliver = self._drafter is not None
+                (ok, output), sent = _run_target_call(self._run_call, execution, call, deliver)
                 self._deliver(sent)
-                send_message(coordinator, reply)
+                send_message(coordinator, (seq, ok, output if ok else sent[2]))  # an error, sendable
 
     def _deliver(self, sent: tuple[int, bool, Any]) -> None:
         """To the drafter; a drafter that left gets no more (the Coordinator sees it gone)."""
@@ -280,8 +292,7 @@ class LocalTargetEnd:
     waits on a delivery stuck behind it in a full socket. The graph's results need no reply to
     wait for: `run` returns the call's outcome."""
 
-    def __init__(self, run_call: Callable[[TargetCall, bool], tuple[Any, ContextDelivery | None]]) -> None:
-        """`run_call(call, deliver)` -> (output, the drafter's delivery or None)."""
+    def __init__(self, run_call: RunTargetCall) -> None:
         self._run_call = run_call
         self._drafter: socket.socket | None = None
         self._outbox: queue.SimpleQueue[tuple[int, bool, Any] | None] = queue.SimpleQueue()
@@ -304,11 +315,7 @@ class LocalTargetEnd:
         """Run `call` and queue its features (or its error) for the drafter -> (ok, output or
         error). A drafter that left gets no more; the Coordinator's own connection to it says so."""
         connected = self._drafter is not None and not self._drafter_left.is_set()
-        try:
-            output, delivery = self._run_call(call, connected)
-            outcome, sent = (True, output), (execution, True, delivery)
-        except Exception as error:
-            outcome, sent = (False, error), (execution, False, _sendable(error))
+        outcome, sent = _run_target_call(self._run_call, execution, call, connected)
         if connected:
             self._outbox.put(sent)
         return outcome
@@ -508,18 +515,18 @@ class SocketGraph:
         """`target`: the target actor, or the `LocalTargetEnd` of a target in this process."""
         self._overlap = overlap
         drafter_address = ray.get(drafter_actor.open_step_channel.remote(overlap))
+        self._drafter = _Connection(connect(drafter_address, _ROLE_COORDINATOR), "drafter")
         self._local_target: LocalTargetEnd | None = None
-        self._actors: tuple[Any, ...] = (drafter_actor,)
-        connections = [_Connection(connect(drafter_address, _ROLE_COORDINATOR), "drafter")]
+        self._target: _Connection | None = None
         if isinstance(target, LocalTargetEnd):
             target.connect(drafter_address)
             self._local_target = target
+            self._actors: tuple[Any, ...] = (drafter_actor,)
         else:
-            self._actors = (target, drafter_actor)
             target_address = ray.get(target.open_step_channel.remote(drafter_address))
-            connections.append(_Connection(connect(target_address, _ROLE_COORDINATOR), "target"))
-        self._drafter, self._connections = connections[0], tuple(connections)
-        self._target = connections[1] if len(connections) > 1 else None
+            self._target = _Connection(connect(target_address, _ROLE_COORDINATOR), "target")
+            self._actors = (target, drafter_actor)
+        self._connections = tuple(c for c in (self._target, self._drafter) if c is not None)
         self._selector = selectors.DefaultSelector()
         for connection in self._connections:
             self._selector.register(connection.socket, selectors.EVENT_READ, connection)

@@ -59,7 +59,8 @@ class TargetCallRunner:
         would keep its block)."""
         if call is None:
             return None, None
-        stamping = self._trace.call(f"graph_call:{call.method}") if self._trace else contextlib.nullcontext()
+        trace = self._trace
+        stamping = contextlib.nullcontext() if trace is None else trace.call(f"graph_call:{call.method}")
         with stamping as stamps:
             for slot in call.releases:
                 self._target.release(slot)
