@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.serve.ports import free_port
@@ -41,6 +43,12 @@ def tiny_serve_config(dirs: TinyModelDirs, **sections: Any) -> dict[str, Any]:
     return raw
 
 
+def on_the_bundled_pair(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with its engine on the bundled pair (a trained drafter, so tau > 1 is visible)."""
+    engine = {k: v for k, v in raw["engine"].items() if k not in ("target", "drafter")}
+    return {**raw, "engine": engine}
+
+
 @dataclass(frozen=True)
 class ServeCluster:
     http_url: str
@@ -48,6 +56,11 @@ class ServeCluster:
     metrics_url: str
     config: Any  # ServeConfig
     temp_dir: Path
+
+
+def reference_llm(cluster: ServeCluster) -> LLM:
+    """The served engine's config in this process: what served greedy outputs must equal."""
+    return LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
 
 
 def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterator[ServeCluster]:

@@ -26,7 +26,7 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.models.chat_template import CHATML_TEMPLATE, ChatTemplate
 from ddtree_serve.serve.protos import SERVICE_NAME, DDTreeServeStub, pb2
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
+from tests.serve.conftest import ServeCluster, reference_llm, start_serve_cluster, tiny_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -58,7 +58,7 @@ def cluster(tiny_model_dirs: TinyModelDirs, spans_path: Path) -> Iterator[ServeC
 @pytest.fixture(scope="module")
 def reference(cluster: ServeCluster) -> LLM:
     """The same engine config in this process: what served greedy outputs must equal."""
-    return LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
+    return reference_llm(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,11 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2
 
-from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.protos import DDTreeServeStub, pb2
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
+from tests.serve.conftest import ServeCluster, reference_llm, start_serve_cluster, tiny_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,7 +47,7 @@ def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
 
 @pytest.fixture(scope="module")
 def reference(cluster: ServeCluster) -> LLM:
-    return LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
+    return reference_llm(cluster)
 
 
 @dataclass(frozen=True)

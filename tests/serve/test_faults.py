@@ -20,12 +20,17 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.protos import DDTreeServeStub, pb2
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
+from tests.serve.conftest import (
+    ServeCluster,
+    on_the_bundled_pair,
+    reference_llm,
+    start_serve_cluster,
+    tiny_serve_config,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -55,14 +60,12 @@ def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
             "target": {"num_cpus": 0.25, "num_gpus": 1},
         },
     )
-    # The bundled pair (target/drafter unset): a trained drafter, so tau > 1 is visible.
-    raw["engine"] = {k: v for k, v in raw["engine"].items() if k not in ("target", "drafter")}
-    yield from start_serve_cluster(raw, num_gpus=2)
+    yield from start_serve_cluster(on_the_bundled_pair(raw), num_gpus=2)
 
 
 @pytest.fixture(scope="module")
 def reference(cluster: ServeCluster) -> LLM:
-    return LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
+    return reference_llm(cluster)
 
 
 def group_identity(cluster: ServeCluster) -> dict[str, Any]:

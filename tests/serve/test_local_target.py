@@ -14,12 +14,17 @@ import grpc
 import httpx
 import pytest
 
-from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.protos import DDTreeServeStub
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
+from tests.serve.conftest import (
+    ServeCluster,
+    on_the_bundled_pair,
+    reference_llm,
+    start_serve_cluster,
+    tiny_serve_config,
+)
 from tests.serve.test_faults import (
     completion_body,
     group_identity,
@@ -48,13 +53,12 @@ def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
             "target": {"num_cpus": 0.25, "num_gpus": 1},
         },
     )
-    raw["engine"] = {k: v for k, v in raw["engine"].items() if k not in ("target", "drafter")}
-    yield from start_serve_cluster(raw, num_gpus=2)
+    yield from start_serve_cluster(on_the_bundled_pair(raw), num_gpus=2)
 
 
 @pytest.fixture(scope="module")
 def reference(cluster: ServeCluster) -> LLM:
-    return LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
+    return reference_llm(cluster)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:

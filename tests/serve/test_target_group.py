@@ -22,7 +22,6 @@ from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
 from ddtree_serve.engine.builder import target_dir
 from ddtree_serve.engine.interfaces import PrefillInput, SamplingBatch
-from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.models import load_tokenizer
@@ -30,7 +29,7 @@ from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.coordinator import Coordinator
 from ddtree_serve.serve.target_group import TargetGroupError, start_target_group
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
+from tests.serve.conftest import ServeCluster, reference_llm, start_serve_cluster, tiny_serve_config
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 PROMPTS = ["def add(a, b):", "The quick brown fox"]
@@ -135,7 +134,7 @@ def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
 def test_served_greedy_completion_through_a_tp2_group_equals_the_in_process_engine(
     cluster: ServeCluster,
 ) -> None:
-    reference = LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
+    reference = reference_llm(cluster)
     expected = reference.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     for prompt, want in zip(PROMPTS, expected, strict=True):
         response = httpx.post(
