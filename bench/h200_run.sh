@@ -5,8 +5,9 @@
 # serving stack into .gpu-wheels/site.tar.xz, which travels with the call (carry it). Each stage
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
-# graph chain overlap direct sockets local local_chain local_interval local_hops steps ttft ttft_direct ttft_sockets
-# fake features features_test gate (default: nvidia budget hops serve).
+# graph chain overlap direct sockets local local_chain local_interval local_hops local_profile
+# local_profile_tcp rtt steps ttft ttft_direct ttft_sockets fake features features_test gate
+# (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
 set -uo pipefail
@@ -57,11 +58,18 @@ for stage in "${STAGES[@]}"; do
       --workers target_in_coordinator --transport sockets --chain-drafts off on \
       --concurrency 1 4 16 64 --serve-throughput-optimized --direct-ingress ;;
     local_interval) run local_interval 300 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
-      --workers target_in_coordinator --transport sockets --stream-batching-interval-ms 0 20 \
+      --workers target_in_coordinator --transport sockets --stream-batching-interval-ms 0 50 \
       --concurrency 1 16 64 --serve-throughput-optimized --direct-ingress ;;
     local_hops) run local_hops 240 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 \
       --num-cpus 8 --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 --rounds 1 \
       --configurations in_process sockets sockets+chained local_target local_target+chained local_target+overlap ;;
+    local_profile) run local_profile 200 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 \
+      --num-cpus 8 --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 --rounds 1 \
+      --configurations in_process local_target --profile 30 ;;
+    local_profile_tcp) DDTREE_STEP_SOCKET_FAMILY=tcp run local_profile_tcp 200 python3 bench/hop_breakdown.py \
+      --device cuda --dtype bfloat16 --num-cpus 8 --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 \
+      --rounds 1 --configurations in_process local_target --profile 30 ;;
+    rtt) run rtt 120 python3 bench/step_socket_rtt.py --batch-sizes 1 16 64 --repeats 500 ;;
     ttft_sockets) run ttft_sockets 120 python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 \
       --transport sockets --serve-throughput-optimized --direct-ingress ;;
     ttft_direct) run ttft_direct 120 python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 \

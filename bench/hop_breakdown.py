@@ -28,7 +28,10 @@ drafter's chained draft is part of the hop back).
 """
 
 import argparse
+import cProfile
+import io
 import pickle
+import pstats
 import shutil
 import statistics
 import tempfile
@@ -378,8 +381,12 @@ def engine_step_table(
     device: str,
     dtype: str,
     only: list[str] | None = None,
+    profile_top: int = 0,
 ) -> dict[str, float]:
     """ms per engine step on the real models, per transport and overlap, rounds interleaved.
+
+    `profile_top` > 0: also print, per configuration, the functions the Coordinator's process
+    spent most of the timed steps in (cProfile, own time; the figures carry its overhead).
 
     An idle compiled graph's actors poll their channels (a core each): only the graph of the
     configuration being timed exists, compiled again each round over that configuration's
@@ -435,6 +442,7 @@ def engine_step_table(
     samples: dict[str, list[float]] = {name: [] for name, *_ in configurations}
     stage_ms: dict[str, dict[str, float]] = {name: {} for name, *_ in configurations}
     parts_ms: dict[str, dict[str, float]] = {}
+    profiles = {name: cProfile.Profile() for name, *_ in configurations} if profile_top else {}
     for round_index in range(rounds):
         for name, placement, graph, overlap, chained in configurations:
             target, drafter = workers[name]
@@ -452,8 +460,12 @@ def engine_step_table(
             if traced:
                 _take_traces(target, drafter)
             start = time.perf_counter()
+            if profiles:
+                profiles[name].enable()
             for _ in range(steps):
                 engine.step()
+            if profiles:
+                profiles[name].disable()
             samples[name].append(1e3 * (time.perf_counter() - start) / steps)
             if traced:
                 own_drafts = list(drafter.calls["draft"])  # type: ignore[union-attr]
@@ -486,6 +498,12 @@ def engine_step_table(
         for worker in (target, drafter):
             if getattr(worker, "actor", None) is not None:
                 ray.kill(worker.actor)
+    for name, profile in profiles.items():
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        text.write(f"\n== profile, {name}, B={batch_size}: {steps * rounds} steps, own time\n")
+        stats.sort_stats("tottime").print_stats(profile_top)
+        print(text.getvalue(), flush=True)
     figures = {f"engine step: {name}": statistics.median(values) for name, values in samples.items()}
     for name, stages in stage_ms.items():
         for stage, ms in stages.items():
@@ -529,6 +547,13 @@ def main() -> None:
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="(default: float32)"
     )
     parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray cluster (default: 2).")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Print each configuration's N costliest functions of the timed steps (default: 0, none).",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -544,7 +569,14 @@ def main() -> None:
             for b in args.batch_sizes:
                 tables[b].update(
                     engine_step_table(
-                        b, args.budget, args.steps, args.rounds, args.device, args.dtype, args.configurations
+                        b,
+                        args.budget,
+                        args.steps,
+                        args.rounds,
+                        args.device,
+                        args.dtype,
+                        args.configurations,
+                        args.profile,
                     )
                 )
         chunks = serve_chunk_table(args.chunks)

@@ -124,6 +124,46 @@ def test_a_connection_without_the_token_is_dropped_and_the_real_peer_served() ->
     server.close()
 
 
+@pytest.mark.parametrize(
+    ("family_variable", "unix_name", "family"),
+    [
+        (None, None, socket.AF_UNIX),  # the server's own name
+        ("tcp", None, socket.AF_INET),
+        (None, "\0ddtree-step-nobody-listens", socket.AF_INET),  # e.g. another network namespace
+    ],
+)
+def test_a_peer_on_the_same_node_connects_over_the_unix_socket_else_over_tcp(
+    monkeypatch: pytest.MonkeyPatch, family_variable: str | None, unix_name: str | None, family: int
+) -> None:
+    """Same node: the abstract Unix socket; `DDTREE_STEP_SOCKET_FAMILY=tcp`, or a Unix name
+    that does not answer: TCP. Each connection is served alike."""
+    if family_variable is not None:
+        monkeypatch.setenv("DDTREE_STEP_SOCKET_FAMILY", family_variable)
+    server, _ = _drafter_server(overlap=False)
+    address = server.address
+    assert address.unix_name is not None and address.unix_name.startswith("\0")
+    if unix_name is not None:
+        address = ChannelAddress(address.host, address.port, address.token, unix_name)
+    coordinator = connect(address, COORDINATOR)
+    assert coordinator.family == family
+    send_message(coordinator, (0, 0, DrafterCall((), "block"), False, True))
+    assert recv_message(coordinator) == (0, True, "drafted block")
+    server.close()
+
+
+def test_a_unix_connection_without_the_token_is_dropped() -> None:
+    server, _ = _drafter_server(overlap=False)
+    assert server.address.unix_name is not None
+    intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    intruder.connect(server.address.unix_name)
+    intruder.sendall(b"x" * 33)
+    assert intruder.recv(1) == b""  # closed on us
+    coordinator = connect(server.address, COORDINATOR)
+    send_message(coordinator, (0, 0, DrafterCall((), "ok"), False, True))
+    assert recv_message(coordinator) == (0, True, "drafted ok")
+    server.close()
+
+
 def test_the_target_delivers_before_it_replies_and_close_waits_for_the_call_in_progress() -> None:
     """Nothing the Coordinator sent runs after `close` returned: a replay cannot run a call twice."""
     lock = threading.Lock()
