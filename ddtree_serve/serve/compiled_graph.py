@@ -154,7 +154,7 @@ class StepGraph:
     def _compile(self) -> None:
         drafter = self._drafter.actor
         if self._local_target is not None:
-            self._graph = SocketGraph(self._local_target.step_end(), drafter, self._overlap)
+            self._graph = SocketGraph(self._local_target.step_end(self._overlap), drafter, self._overlap)
             return
         target = self._target.actor
         if self.transport == "sockets":

@@ -50,6 +50,6 @@ class LocalTarget(DescribedTarget):
         `taker` is for actor calls, which this placement does not use."""
         self.calls.deliver_features_on_device(min_bytes)
 
-    def step_end(self) -> LocalTargetEnd:
-        """A fresh target end for a socket step graph (one per graph compiled)."""
-        return LocalTargetEnd(self.calls.run)
+    def step_end(self, overlap: bool) -> LocalTargetEnd:
+        """A fresh target end for a socket step graph of this shape (one per graph compiled)."""
+        return LocalTargetEnd(self.calls.run, overlap)

@@ -19,7 +19,7 @@ Coordinator likewise reads whichever connection has data while it waits for a re
 
 With the target inside the Coordinator (`placement.workers: target_in_coordinator`) there are
 two connections, both to the drafter: the Coordinator's, and one of the target's role over
-which `LocalTargetEnd` sends each target call's delivery from a thread of its own.
+which `LocalTargetEnd` sends each target call's delivery (overlapped: from a thread of its own).
 
 A worker listens on its node's address (the Coordinator may run on another node) and, beside
 it, on a Unix socket in Linux's abstract namespace; a peer on the same node connects there (on
@@ -339,13 +339,19 @@ class LocalTargetEnd:
     target_in_coordinator`): each `TargetCall` runs in the caller's thread, and its delivery goes
     to the drafter over a connection of the target's role, as a target actor's server sends it.
 
-    Deliveries leave from a thread of their own, in order: the caller (the engine thread) goes
-    on to read the drafter's replies at once, so a drafter blocked sending a large draft never
-    waits on a delivery stuck behind it in a full socket. The graph's results need no reply to
-    wait for: `run` returns the call's outcome."""
+    Serial shape: the caller (the engine thread) sends each delivery itself, at once. The
+    drafter sends nothing while a target call runs (its draft's reply was read before the verify;
+    a reply-less call's error is a few hundred bytes), so the send cannot wait on it; on the H200
+    a thread of its own left the delivery to go out only when the engine thread next let go of
+    the GIL (its wait for the next draft), on the draft's critical path.
+    Overlapped shape: deliveries leave from a thread of their own, in order: the engine thread
+    goes on to read the drafter's replies at once, so a drafter blocked sending a large draft
+    never waits on a delivery stuck behind it in a full socket. The graph's results need no
+    reply to wait for: `run` returns the call's outcome."""
 
-    def __init__(self, run_call: RunTargetCall) -> None:
+    def __init__(self, run_call: RunTargetCall, overlap: bool) -> None:
         self._run_call = run_call
+        self._overlap = overlap
         self._drafter: socket.socket | None = None
         self._outbox: queue.SimpleQueue[tuple[int, bool, Any] | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
@@ -355,21 +361,28 @@ class LocalTargetEnd:
         self.close()
         self._drafter = connect(drafter_address, _ROLE_TARGET)
         self._outbox, self._drafter_left = queue.SimpleQueue(), threading.Event()
-        self._sender = threading.Thread(
-            target=self._send_all,
-            args=(self._drafter, self._outbox, self._drafter_left),
-            name="step-deliveries",
-            daemon=True,
-        )
-        self._sender.start()
+        if self._overlap:
+            self._sender = threading.Thread(
+                target=self._send_all,
+                args=(self._drafter, self._outbox, self._drafter_left),
+                name="step-deliveries",
+                daemon=True,
+            )
+            self._sender.start()
 
     def run(self, execution: int, call: TargetCall) -> tuple[bool, Any]:
-        """Run `call` and queue its features (or its error) for the drafter -> (ok, output or
-        error). A drafter that left gets no more; the Coordinator's own connection to it says so."""
+        """Run `call` and send (serial) or queue (overlapped) its features, or its error, for the
+        drafter -> (ok, output or error). A drafter that left gets no more; the Coordinator's own
+        connection to it says so."""
         connected = self._drafter is not None and not self._drafter_left.is_set()
         outcome, sent = _run_target_call(self._run_call, execution, call, connected)
-        if connected:
+        if connected and self._sender is not None:
             self._outbox.put(sent)
+        elif connected and self._drafter is not None:
+            try:
+                send_message(self._drafter, sent)
+            except OSError:
+                self._drafter_left.set()
         return outcome
 
     @staticmethod

@@ -2,6 +2,7 @@
 each worker's server runs what reaches it (`tests/serve/test_transport.py` runs the whole graph
 on real actors)."""
 
+import select
 import socket
 import threading
 import time
@@ -266,7 +267,9 @@ def test_a_target_in_the_coordinator_never_waits_on_a_drafter_sending_a_large_dr
     monkeypatch.setattr(step_sockets.ray, "get", lambda value, timeout=None: value)
     size = 48 << 20
     drafter = _InProcessDrafter(lambda call: np.ones(size, np.uint8))
-    end = LocalTargetEnd(lambda call, deliver: ("verified", np.ones(size, np.uint8) if deliver else None))
+    end = LocalTargetEnd(
+        lambda call, deliver: ("verified", np.ones(size, np.uint8) if deliver else None), overlap=True
+    )
     graph = SocketGraph(end, drafter, overlap=True)
     results: list[Any] = []
 
@@ -280,3 +283,20 @@ def test_a_target_in_the_coordinator_never_waits_on_a_drafter_sending_a_large_dr
     runner.join(timeout=60.0)
     assert results == ["verified", size], "the step hung"
     graph.teardown()
+
+
+def test_a_serial_target_in_the_coordinator_has_sent_its_delivery_when_its_call_returns() -> None:
+    """Serial shape: the engine thread sends the features itself, so the drafter has them before
+    the next draft is asked for (no thread left to wait for the GIL)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = ChannelAddress("127.0.0.1", listener.getsockname()[1], b"t" * 32)
+    end = LocalTargetEnd(lambda call, deliver: ("verified", ContextDelivery((0,), "features")), overlap=False)
+    end.connect(address)
+    drafter, _ = listener.accept()
+    assert drafter.recv(33) == b"t" * 32 + TARGET
+    assert end.run(7, TargetCall(0, (), "verify_and_commit", None)) == (True, "verified")
+    readable, _, _ = select.select([drafter], [], [], 0.0)
+    assert readable, "the delivery is still to be sent"
+    assert recv_message(drafter) == (7, True, ContextDelivery((0,), "features"))
+    end.close()
+    listener.close()
