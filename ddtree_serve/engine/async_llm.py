@@ -58,15 +58,19 @@ class _Stream:
         self.loop = loop
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
+        self._not_before = 0.0  # the loop's clock: outputs pushed before it wait for its timer
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Thread-safe: deliver on the caller's loop."""
         self.loop.call_soon_threadsafe(self.push, item)
 
     def push(self, item: RequestOutput | BaseException) -> None:
-        """On the caller's loop only."""
+        """On the caller's loop only. A stream holding its outputs back is not woken for one that
+        can wait (its timer wakes it): at c = 64 with a 50 ms interval every step had woken every
+        stream only for it to go back to sleep, 64 wake-ups a step on the loop beside the engine."""
         self._items.append(item)
-        self._ready.set()
+        if _is_final(item) or self.loop.time() >= self._not_before:
+            self._ready.set()
 
     async def next(self, not_before: float = 0.0) -> RequestOutput | BaseException:
         """The next output or error. Outputs are cumulative: when the caller fell behind (a
@@ -76,9 +80,10 @@ class _Stream:
         `not_before` (the loop's clock): hold outputs back until then, so a stream sends at
         most one chunk per interval (Ray Serve LLM's `stream_batching_interval_ms`); a
         finished output or an error is not held back."""
-        while not self._items or (self.loop.time() < not_before and not self._final_queued()):
+        self._not_before = not_before
+        while not self._items or (self.loop.time() < not_before and not _is_final(self._items[-1])):
             self._ready.clear()
-            if not self._items:
+            if not self._items and self.loop.time() >= not_before:
                 await self._ready.wait()
                 continue
             # A timer sets the event at `not_before` (no task per wait, as `wait_for` makes):
@@ -95,9 +100,10 @@ class _Stream:
             item = self._items.popleft()
         return item
 
-    def _final_queued(self) -> bool:
-        last = self._items[-1]
-        return isinstance(last, BaseException) or last.finished
+
+def _is_final(item: RequestOutput | BaseException) -> bool:
+    """An error or a finished output: never held back."""
+    return isinstance(item, BaseException) or item.finished
 
 
 class AsyncLLM:

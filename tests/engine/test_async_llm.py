@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
+from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError, _Stream
 from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.local import build_local_engine
+from ddtree_serve.engine.request import RequestOutput, RequestStats
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.scheduler import QueueFullError
 
@@ -229,3 +230,46 @@ def test_a_steps_outputs_reach_each_loop_in_one_hand_over(make_pair_config, prom
     # At most one hand-over per step and one per prefill's first tokens: fewer than the outputs.
     assert sum(len(outputs) for outputs in streams) > hand_overs
     assert hand_overs <= 2 * steps
+
+
+def _output(num_tokens: int, finished: bool = False) -> RequestOutput:
+    tokens = list(range(num_tokens))
+    stats = RequestStats(4, num_tokens, num_tokens, 1.0)
+    reason = "length" if finished else None
+    return RequestOutput("held", tokens, num_tokens, 1, finished, reason, None, stats)
+
+
+def test_a_held_stream_wakes_for_its_timer_or_its_end_not_for_each_output():
+    """Outputs pushed while a stream holds them back (its interval) do not wake its reader: at
+    c = 64 with a 50 ms interval each step had woken every stream only to sleep again. The
+    timer lets the newest go; a finished output goes at once."""
+
+    async def run() -> tuple[int, RequestOutput, int, RequestOutput]:
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+        wakes = 0
+        wait = stream._ready.wait
+
+        async def counted_wait() -> bool:
+            nonlocal wakes
+            result = await wait()
+            wakes += 1
+            return result
+
+        stream._ready.wait = counted_wait  # type: ignore[method-assign]
+        reader = asyncio.create_task(stream.next(loop.time() + 0.3))
+        for num_tokens in range(1, 11):
+            await asyncio.sleep(0.01)
+            stream.push(_output(num_tokens))
+        held = await reader
+        held_wakes, wakes = wakes, 0
+        reader = asyncio.create_task(stream.next(loop.time() + 600.0))
+        for num_tokens in range(11, 14):
+            await asyncio.sleep(0.01)
+            stream.push(_output(num_tokens, finished=num_tokens == 13))
+        end = await asyncio.wait_for(reader, timeout=10)
+        return held_wakes, held, wakes, end
+
+    held_wakes, held, end_wakes, end = asyncio.run(run())
+    assert (held_wakes, held.num_tokens) == (1, 10)  # the timer's wake-up, the newest output
+    assert (end_wakes, end.num_tokens, end.finished) == (1, 13, True)
