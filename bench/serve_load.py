@@ -72,6 +72,17 @@ class LevelResult:
     concurrency: int
     timings: list[RequestTiming]
     wall_s: float
+    engine_steps: int  # steps the path's engine ran during the level
+    engine_step_s: float  # their wall time, in the engine's thread
+
+    @property
+    def engine_ms_per_step(self) -> float:
+        return 1e3 * self.engine_step_s / max(self.engine_steps, 1)
+
+    @property
+    def engine_busy(self) -> float:
+        """Share of the level's wall time the engine spent in steps."""
+        return self.engine_step_s / self.wall_s
 
     @property
     def throughput(self) -> float:
@@ -86,11 +97,33 @@ class LevelResult:
         return (
             f"| {self.path:<44} | {self.concurrency:>3} | {len(self.timings):>4} "
             f"| {p50:8.1f} | {p99:8.1f} | {tpot:7.2f} | {tpot_p99:7.2f} "
-            f"| {self.throughput:8.1f} | {ratio:>5} |"
+            f"| {self.throughput:8.1f} | {ratio:>5} | {self.engine_steps:>5} "
+            f"| {self.engine_ms_per_step:7.2f} | {self.engine_busy:4.2f} |"
         )
 
 
 TimedRequest = Callable[[str], Awaitable[RequestTiming]]
+StepCounter = Callable[[], Awaitable[tuple[int, float]]]
+"""The path's engine: (steps so far, their wall seconds)."""
+
+
+def served_steps(client: httpx.AsyncClient, url: str) -> StepCounter:
+    """The served engine's counters, from its health route (the Coordinator's stats)."""
+
+    async def read() -> tuple[int, float]:
+        response = await client.get(f"{url}/health")
+        response.raise_for_status()
+        stats = response.json()
+        return int(stats["engine_steps"]), float(stats["engine_step_seconds"])
+
+    return read
+
+
+def local_steps(llm: AsyncLLM) -> StepCounter:
+    async def read() -> tuple[int, float]:
+        return llm.num_steps, llm.step_seconds
+
+    return read
 
 
 async def closed_loop(
@@ -202,21 +235,33 @@ async def run_all(
                         url = f"http://127.0.0.1:{direct['http']}/{config.app_name}"
                         direct_channel = grpc.aio.insecure_channel(f"127.0.0.1:{direct['grpc']}")
                     stub = DDTreeServeStub(direct_channel or channel)
+                    served = served_steps(client, url)
                     paths = {
-                        f"http {config.app_name}": http_request(client, url, args.max_tokens),
-                        f"grpc {config.app_name}": grpc_request(stub, args.max_tokens, config.app_name),
+                        f"http {config.app_name}": (http_request(client, url, args.max_tokens), served),
+                        f"grpc {config.app_name}": (
+                            grpc_request(stub, args.max_tokens, config.app_name),
+                            served,
+                        ),
                     }
                     order += [path for path in paths if path not in order]
-                    for request in paths.values():
+                    for request, _ in paths.values():
                         await closed_loop(request, 1, 2)
-                    paths["in-process"] = local
+                    paths["in-process"] = (local, local_steps(llm))
                     for concurrency in args.concurrency:
                         num_requests = max(args.min_requests, args.requests_per_client * concurrency)
-                        for path, request in paths.items():
+                        for path, (request, steps) in paths.items():
+                            steps_before, seconds_before = await steps()
                             timings, wall_s = await closed_loop(request, concurrency, num_requests)
-                            sweeps.setdefault((path, concurrency), []).append(
-                                LevelResult(path, concurrency, timings, wall_s)
+                            steps_after, seconds_after = await steps()
+                            result = LevelResult(
+                                path,
+                                concurrency,
+                                timings,
+                                wall_s,
+                                steps_after - steps_before,
+                                seconds_after - seconds_before,
                             )
+                            sweeps.setdefault((path, concurrency), []).append(result)
                     if direct_channel is not None:
                         await direct_channel.close()
                     await asyncio.to_thread(undeploy, config)
@@ -411,13 +456,18 @@ def main() -> None:
     baseline = {r.concurrency: r.throughput for r in results if r.path == "in-process"}
     print(f"\nmode={args.mode} budget={args.budget} max_tokens={args.max_tokens}", end=" ")
     print(f"workers={' '.join(args.workers)} threads={args.threads}\n")
-    print(f"| {'path':<44} |   c | reqs | TTFT p50 | TTFT p99 | TPOT ms | TPOT p99 |    tok/s | ratio |")
-    print(f"|{'-' * 46}|-----|------|----------|----------|---------|---------|----------|-------|")
+    print(
+        f"| {'path':<44} |   c | reqs | TTFT p50 | TTFT p99 | TPOT ms | TPOT p99 |    tok/s | ratio "
+        "| steps | ms/step | busy |"
+    )
+    widths = [46, 5, 6, 10, 10, 9, 9, 10, 7, 7, 9, 6]
+    print("|" + "|".join("-" * width for width in widths) + "|")
     for result in results:
         print(result.row(None if result.path == "in-process" else baseline[result.concurrency]))
     print(f"\ndevice={args.device} dtype={args.dtype}; TTFT in ms;", end=" ")
     print("TPOT = ms per output token after the first chunk (median and p99);")
-    print("ratio = tok/s / in-process tok/s at the same concurrency.")
+    print("ratio = tok/s / in-process tok/s at the same concurrency; steps, ms/step: the engine's steps")
+    print("in the level and their mean wall time in its thread; busy: their share of the level's time.")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -118,6 +119,10 @@ class AsyncLLM:
         self._streams_lock = threading.Lock()
         self._num_pending_adds = 0  # adds sent to the thread and not yet applied (under the lock)
         self._error: BaseException | None = None
+        # Steps the thread ran and their wall time (outputs' hand-over excluded), written by the
+        # thread only: a server's engine step against the same engine's in process.
+        self.num_steps = 0
+        self.step_seconds = 0.0
         # A stream's first token goes out when its prefill is done, not after the step's
         # draft and verify: time to first token is the prefill's.
         engine.on_first_tokens = self._dispatch
@@ -231,7 +236,11 @@ class AsyncLLM:
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    started = time.perf_counter()
+                    outputs = self.engine.step()
+                    self.step_seconds += time.perf_counter() - started
+                    self.num_steps += 1
+                    self._dispatch(outputs)
         except BaseException as error:  # every open stream must learn why it ends
             if isinstance(error, TargetUnavailableError):
                 logger.error("engine stopped: %s; failing every open request", error)

@@ -257,12 +257,14 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------ inspection
 
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> dict[str, int | float]:
         """Load figures; raises while the group cannot serve (its target restarting or lost, or
         `check_health` failing), so health probes (HTTP /health, gRPC Check) report it at once.
 
         `speculating` is 0 while the group decodes without its drafter (lost, or mode "ar");
-        `target_restarts` counts the target losses this replica came back from in place."""
+        `target_restarts` counts the target losses this replica came back from in place;
+        `engine_steps` and `engine_step_seconds` are the current engine's steps and their wall time
+        (a served step against the same engine's in process: `bench/serve_load.py`)."""
         self._supervisor.check_serving()
         await self.check_health()
         self._supervisor.check_serving()  # a loss the target probe just found
@@ -277,6 +279,8 @@ class Coordinator:
             "speculating": int(engine.speculating),
             "drafter_losses": engine.num_drafter_losses,
             "target_restarts": self._supervisor.num_target_restarts,
+            "engine_steps": llm.num_steps,
+            "engine_step_seconds": llm.step_seconds,
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

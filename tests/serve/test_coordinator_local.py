@@ -55,6 +55,7 @@ def test_stream_of_chunks_equals_the_in_process_engine_and_ends_with_usage(
     assert usage.completion_tokens == len(want.token_ids) and usage.num_steps >= 1
     stats = handle.stats.remote().result()
     assert stats["running"] == stats["waiting"] == stats["open_streams"] == 0
+    assert stats["engine_steps"] >= usage.num_steps and stats["engine_step_seconds"] > 0.0
 
 
 @pytest.mark.parametrize(
