@@ -386,7 +386,7 @@ def engine_step_table(
     """ms per engine step on the real models, per transport and overlap, rounds interleaved.
 
     `profile_top` > 0: also print, per configuration, the functions the Coordinator's process
-    spent most of the timed steps in (cProfile, own time; the figures carry its overhead).
+    spent most of the timed steps in (cProfile, cumulative time; the figures carry its overhead).
 
     An idle compiled graph's actors poll their channels (a core each): only the graph of the
     configuration being timed exists, compiled again each round over that configuration's
@@ -501,8 +501,8 @@ def engine_step_table(
     for name, profile in profiles.items():
         text = io.StringIO()
         stats = pstats.Stats(profile, stream=text)
-        text.write(f"\n== profile, {name}, B={batch_size}: {steps * rounds} steps, own time\n")
-        stats.sort_stats("tottime").print_stats(profile_top)
+        text.write(f"\n== profile, {name}, B={batch_size}: {steps * rounds} steps, cumulative time\n")
+        stats.sort_stats("cumulative").print_stats(profile_top)
         print(text.getvalue(), flush=True)
     figures = {f"engine step: {name}": statistics.median(values) for name, values in samples.items()}
     for name, stages in stage_ms.items():
