@@ -64,6 +64,9 @@ _LENGTH = struct.Struct("<Q")
 _HELLO_TIMEOUT_S = 5.0
 # A closing target end lets its queued deliveries go for this long before cutting the connection.
 _CLOSE_WAIT_S = 1.0
+# A delivery the engine thread sends itself waits this long for a drafter that stopped reading,
+# as long as the step graph waits for a reply: then the drafter counts as gone.
+_DELIVERY_TIMEOUT_S = 600.0
 # Socket buffers large enough for a batch's tree buffers or drafts in one go.
 _SOCKET_BUFFER_BYTES = 8 << 20
 
@@ -361,7 +364,9 @@ class LocalTargetEnd:
         self.close()
         self._drafter = connect(drafter_address, _ROLE_TARGET)
         self._outbox, self._drafter_left = queue.SimpleQueue(), threading.Event()
-        if self._overlap:
+        if not self._overlap:
+            self._drafter.settimeout(_DELIVERY_TIMEOUT_S)  # a hung drafter never holds the engine
+        else:
             self._sender = threading.Thread(
                 target=self._send_all,
                 args=(self._drafter, self._outbox, self._drafter_left),
@@ -381,8 +386,10 @@ class LocalTargetEnd:
         elif connected and self._drafter is not None:
             try:
                 send_message(self._drafter, sent)
-            except OSError:
+            except OSError:  # gone, or stopped reading: a part sent must not read as a message
                 self._drafter_left.set()
+                with contextlib.suppress(OSError):
+                    self._drafter.shutdown(socket.SHUT_RDWR)
         return outcome
 
     @staticmethod

@@ -300,3 +300,33 @@ def test_a_serial_target_in_the_coordinator_has_sent_its_delivery_when_its_call_
     assert recv_message(drafter) == (7, True, ContextDelivery((0,), "features"))
     end.close()
     listener.close()
+
+
+def test_a_serial_delivery_to_a_drafter_that_stopped_reading_gives_up_after_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine thread sends serial deliveries itself: a drafter alive but not reading holds it
+    only for the delivery timeout (the graph's reply timeout), then counts as gone (its reply
+    wait breaks the graph, as before), and later calls still return their outcome."""
+    import ddtree_serve.serve.step_sockets as step_sockets
+
+    monkeypatch.setattr(step_sockets, "_DELIVERY_TIMEOUT_S", 0.3)
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = ChannelAddress("127.0.0.1", listener.getsockname()[1], b"t" * 32)
+    big = np.ones(64 << 20, np.uint8)  # more than both sockets' buffers
+    end = LocalTargetEnd(lambda call, deliver: ("verified", big if deliver else None), overlap=False)
+    end.connect(address)
+    drafter, _ = listener.accept()  # never reads
+    outcomes: list[Any] = []
+
+    def steps() -> None:
+        for call_id in range(2):
+            outcomes.append(end.run(call_id, TargetCall(call_id, (), "verify_and_commit", None)))
+
+    runner = threading.Thread(target=steps, daemon=True)
+    runner.start()
+    runner.join(timeout=30.0)
+    assert outcomes == [(True, "verified")] * 2, "the engine thread is held by the drafter"
+    end.close()
+    drafter.close()
+    listener.close()
