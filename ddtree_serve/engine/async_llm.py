@@ -119,8 +119,9 @@ class AsyncLLM:
         self._streams_lock = threading.Lock()
         self._num_pending_adds = 0  # adds sent to the thread and not yet applied (under the lock)
         self._error: BaseException | None = None
-        # Steps the thread ran and their wall time (outputs' hand-over excluded), written by the
-        # thread only: a server's engine step against the same engine's in process.
+        # Steps the thread ran and their wall time (the first tokens' hand-over, made within the
+        # step, included; the others' not), written by the thread only: a server's engine step
+        # against the same engine's in process.
         self.num_steps = 0
         self.step_seconds = 0.0
         # A stream's first token goes out when its prefill is done, not after the step's

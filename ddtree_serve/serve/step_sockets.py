@@ -354,7 +354,7 @@ class LocalTargetEnd:
 
     def __init__(self, run_call: RunTargetCall, overlap: bool) -> None:
         self._run_call = run_call
-        self._overlap = overlap
+        self.overlap = overlap
         self._drafter: socket.socket | None = None
         self._outbox: queue.SimpleQueue[tuple[int, bool, Any] | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
@@ -364,7 +364,7 @@ class LocalTargetEnd:
         self.close()
         self._drafter = connect(drafter_address, _ROLE_TARGET)
         self._outbox, self._drafter_left = queue.SimpleQueue(), threading.Event()
-        if not self._overlap:
+        if not self.overlap:
             self._drafter.settimeout(_DELIVERY_TIMEOUT_S)  # a hung drafter never holds the engine
         else:
             self._sender = threading.Thread(
@@ -592,6 +592,8 @@ class SocketGraph:
         self._local_target: LocalTargetEnd | None = None
         self._target: _Connection | None = None
         if isinstance(target, LocalTargetEnd):
+            if target.overlap != overlap:  # a serial end's inline sends would deadlock overlapped
+                raise ValueError("the local target end's shape differs from the graph's")
             target.connect(drafter_address)
             self._local_target = target
             self._actors: tuple[Any, ...] = (drafter_actor,)

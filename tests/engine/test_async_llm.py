@@ -258,14 +258,14 @@ def test_a_held_stream_wakes_for_its_timer_or_its_end_not_for_each_output():
 
         stream._ready.wait = counted_wait  # type: ignore[method-assign]
         reader = asyncio.create_task(stream.next(loop.time() + 0.3))
-        for num_tokens in range(1, 11):
-            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # the reader waits, held
+        for num_tokens in range(1, 11):  # ten steps' outputs before its timer
             stream.push(_output(num_tokens))
         held = await reader
         held_wakes, wakes = wakes, 0
         reader = asyncio.create_task(stream.next(loop.time() + 600.0))
+        await asyncio.sleep(0)
         for num_tokens in range(11, 14):
-            await asyncio.sleep(0.01)
             stream.push(_output(num_tokens, finished=num_tokens == 13))
         end = await asyncio.wait_for(reader, timeout=10)
         return held_wakes, held, wakes, end

@@ -327,6 +327,9 @@ def test_a_serial_delivery_to_a_drafter_that_stopped_reading_gives_up_after_its_
     runner.start()
     runner.join(timeout=30.0)
     assert outcomes == [(True, "verified")] * 2, "the engine thread is held by the drafter"
+    drafter.settimeout(30.0)
+    with pytest.raises(EOFError):  # the half-sent delivery ends the connection, never a message
+        recv_message(drafter)
     end.close()
     drafter.close()
     listener.close()
