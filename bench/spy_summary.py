@@ -3,9 +3,14 @@ and the functions each spent its samples in (own time, the stack's innermost fra
 through (inclusive). With `--subprocesses` a stack starts with its chain of processes; it is
 counted under the innermost (a Ray worker shows its process title, e.g. `ray::ServeReplica:...`).
 
+`--inside FUNCTION` keeps only the samples taken inside that function (e.g. the engine's step,
+leaving out the idle loop around it) and counts their frames below it: where a served step's
+time goes.
+
     py-spy record -p PID -d 20 --threads --gil --format raw -o gil.txt
     py-spy record --subprocesses --threads --gil --nonblocking --format raw -o gil.txt -- python ...
     python bench/spy_summary.py gil.txt --top 15 --process Coordinator
+    python bench/spy_summary.py all.txt --inside ObservedEngine.step   # with --idle samples
 """
 
 import argparse
@@ -24,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         "--with-thread", help="only processes with a thread of this name (e.g. ddtree-engine)"
     )
     parser.add_argument("--min-share", type=float, default=0.02, help="threads below this share are left out")
+    parser.add_argument("--inside", help="only samples inside this function, counted from below it")
     args = parser.parse_args(argv)
     by_thread: dict[str, int] = collections.Counter()
     own: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -47,6 +53,13 @@ def main(argv: list[str] | None = None) -> None:
         frames = frames[processes[-1] + 1 :] if processes else frames
         name = frames[0] if frames and frames[0].startswith("thread") else "?"
         thread = f"{_short(process)} {re.sub(r' [0-9]+$', '', name)}"
+        if args.inside:
+            inside = [i for i, frame in enumerate(frames) if args.inside in frame]
+            if not inside:
+                continue
+            frames = [name, *frames[inside[-1] + 1 :]]
+            if len(frames) == 1:
+                frames.append(f"(in {args.inside} itself)")
         total += count
         by_thread[thread] += count
         own[thread][frames[-1]] += count

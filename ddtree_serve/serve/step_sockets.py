@@ -19,7 +19,8 @@ Coordinator likewise reads whichever connection has data while it waits for a re
 
 With the target inside the Coordinator (`placement.workers: target_in_coordinator`) there are
 two connections, both to the drafter: the Coordinator's, and one of the target's role over
-which `LocalTargetEnd` sends each target call's delivery (overlapped: from a thread of its own).
+which `LocalTargetEnd` sends each target call's delivery (from a thread of its own, or, small
+and serial, from the engine thread).
 
 A worker listens on its node's address (the Coordinator may run on another node) and, beside
 it, on a Unix socket in Linux's abstract namespace; a peer on the same node connects there (on
@@ -64,8 +65,8 @@ _LENGTH = struct.Struct("<Q")
 _HELLO_TIMEOUT_S = 5.0
 # A closing target end lets its queued deliveries go for this long before cutting the connection.
 _CLOSE_WAIT_S = 1.0
-# A delivery the engine thread sends itself waits this long for a drafter that stopped reading,
-# as long as the step graph waits for a reply: then the drafter counts as gone.
+# A delivery waits this long for a drafter that stopped reading, as long as the step graph waits
+# for a reply: then the drafter counts as gone.
 _DELIVERY_TIMEOUT_S = 600.0
 # Socket buffers large enough for a batch's tree buffers or drafts in one go.
 _SOCKET_BUFFER_BYTES = 8 << 20
@@ -95,12 +96,22 @@ class ChannelAddress:
 
 def send_message(sock: socket.socket, value: Any) -> None:
     """One message: header, buffer lengths, pickle, buffers (numpy arrays are not copied)."""
+    send_parts(sock, encode_message(value))
+
+
+def encode_message(value: Any) -> list[memoryview]:
+    """`value` as the parts of one message, ready for `send_parts` (arrays still not copied)."""
     buffers: list[pickle.PickleBuffer] = []
     body = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     raws = [buffer.raw() for buffer in buffers]
     lengths = b"".join(_LENGTH.pack(raw.nbytes) for raw in raws)
     parts: list[memoryview] = [memoryview(_HEADER.pack(len(body), len(raws)) + lengths), memoryview(body)]
     parts.extend(raw.cast("B") for raw in raws)
+    return parts
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    parts = list(parts)
     while parts:
         sent = sock.sendmsg(parts)
         while parts and sent >= parts[0].nbytes:
@@ -342,66 +353,89 @@ class LocalTargetEnd:
     target_in_coordinator`): each `TargetCall` runs in the caller's thread, and its delivery goes
     to the drafter over a connection of the target's role, as a target actor's server sends it.
 
-    Serial shape: the caller (the engine thread) sends each delivery itself, at once. The
-    drafter sends nothing while a target call runs (its draft's reply was read before the verify;
-    a reply-less call's error is a few hundred bytes), so the send cannot wait on it; on the H200
-    a thread of its own left the delivery to go out only when the engine thread next let go of
-    the GIL (its wait for the next draft), on the draft's critical path.
-    Overlapped shape: deliveries leave from a thread of their own, in order: the engine thread
-    goes on to read the drafter's replies at once, so a drafter blocked sending a large draft
-    never waits on a delivery stuck behind it in a full socket. The graph's results need no
-    reply to wait for: `run` returns the call's outcome."""
+    Deliveries leave in order, from a thread of their own, except in the serial shape a small
+    one (`INLINE_DELIVERY_BYTES`) with none queued before it, which the caller (the engine
+    thread) sends itself: it is on the wire when the call returns, instead of waiting for the
+    sender thread to be woken and to win the GIL from the engine thread, and copying it costs
+    less than that hand-over. Serially the drafter sends nothing while a target call runs (every
+    reply the Coordinator asked of the previous execution was read; a reply-less call's error is
+    a few hundred bytes), so such a send cannot wait on it; it waits at most
+    `_DELIVERY_TIMEOUT_S` for a drafter that stopped reading. Overlapped, every delivery takes
+    the thread: the engine thread goes on to read the drafter's replies at once, so a drafter
+    blocked sending a large draft never waits on a delivery stuck behind it in a full socket.
+    The graph's results need no reply to wait for: `run` returns the call's outcome."""
+
+    INLINE_DELIVERY_BYTES = 256 << 10
+    """The largest serial delivery the engine thread sends itself (the bundled pair's step at
+    batch 64 is a few KiB; a prompt's features, or a large model's batch, go by the thread)."""
 
     def __init__(self, run_call: RunTargetCall, overlap: bool) -> None:
         self._run_call = run_call
         self.overlap = overlap
         self._drafter: socket.socket | None = None
-        self._outbox: queue.SimpleQueue[tuple[int, bool, Any] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[list[memoryview] | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._drafter_left = threading.Event()
+        # Deliveries handed to the sender thread and not yet sent: none, and the caller may send.
+        self._queued = 0
+        self._queued_lock = threading.Lock()
 
     def connect(self, drafter_address: ChannelAddress) -> None:
         self.close()
         self._drafter = connect(drafter_address, _ROLE_TARGET)
+        self._drafter.settimeout(_DELIVERY_TIMEOUT_S)  # a hung drafter never holds a sender
         self._outbox, self._drafter_left = queue.SimpleQueue(), threading.Event()
-        if not self.overlap:
-            self._drafter.settimeout(_DELIVERY_TIMEOUT_S)  # a hung drafter never holds the engine
-        else:
-            self._sender = threading.Thread(
-                target=self._send_all,
-                args=(self._drafter, self._outbox, self._drafter_left),
-                name="step-deliveries",
-                daemon=True,
-            )
-            self._sender.start()
+        self._queued = 0
+        self._sender = threading.Thread(
+            target=self._send_all, args=(self._drafter, self._outbox), name="step-deliveries", daemon=True
+        )
+        self._sender.start()
+
+    @property
+    def connected(self) -> bool:
+        """The drafter connection is up: deliveries still go out."""
+        return self._drafter is not None and not self._drafter_left.is_set()
 
     def run(self, execution: int, call: TargetCall) -> tuple[bool, Any]:
-        """Run `call` and send (serial) or queue (overlapped) its features, or its error, for the
-        drafter -> (ok, output or error). A drafter that left gets no more; the Coordinator's own
-        connection to it says so."""
-        connected = self._drafter is not None and not self._drafter_left.is_set()
+        """Run `call` and send or queue its features, or its error, for the drafter -> (ok, output
+        or error). A drafter that left gets no more; the Coordinator's own connection to it says so."""
+        connected = self.connected
         outcome, sent = _run_target_call(self._run_call, execution, call, connected)
-        if connected and self._sender is not None:
-            self._outbox.put(sent)
-        elif connected and self._drafter is not None:
-            try:
-                send_message(self._drafter, sent)
-            except OSError:  # gone, or stopped reading: a part sent must not read as a message
-                self._drafter_left.set()
-                with contextlib.suppress(OSError):
-                    self._drafter.shutdown(socket.SHUT_RDWR)
+        if connected and self._drafter is not None:
+            self._deliver(self._drafter, encode_message(sent))
         return outcome
 
-    @staticmethod
-    def _send_all(
-        sock: socket.socket, outbox: "queue.SimpleQueue[tuple[int, bool, Any] | None]", left: threading.Event
-    ) -> None:
-        while (sent := outbox.get()) is not None:
-            try:
-                send_message(sock, sent)
-            except OSError:
-                left.set()
+    def _deliver(self, sock: socket.socket, parts: list[memoryview]) -> None:
+        with self._queued_lock:  # only this thread adds: none queued stays none until it does
+            inline = (
+                not self.overlap
+                and self._queued == 0
+                and sum(part.nbytes for part in parts) <= self.INLINE_DELIVERY_BYTES
+            )
+            if not inline:
+                self._queued += 1
+                self._outbox.put(parts)
+        if inline:
+            self._send_or_leave(sock, parts)
+
+    def _send_all(self, sock: socket.socket, outbox: "queue.SimpleQueue[list[memoryview] | None]") -> None:
+        while (parts := outbox.get()) is not None:
+            if not self._send_or_leave(sock, parts):
                 return
+            with self._queued_lock:
+                self._queued -= 1
+
+    def _send_or_leave(self, sock: socket.socket, parts: list[memoryview]) -> bool:
+        """Send one delivery; False when the drafter is gone or stopped reading: a part sent must
+        not read as a message, so the connection is shut."""
+        try:
+            send_parts(sock, parts)
+        except OSError:
+            self._drafter_left.set()
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            return False
+        return True
 
     def close(self) -> None:
         """Stop the sender (after what it has queued, or at once if the drafter stopped reading)

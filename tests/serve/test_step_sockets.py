@@ -302,21 +302,25 @@ def test_a_serial_target_in_the_coordinator_has_sent_its_delivery_when_its_call_
     listener.close()
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["engine-thread", "sender-thread"])
 def test_a_serial_delivery_to_a_drafter_that_stopped_reading_gives_up_after_its_timeout(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, inline: bool
 ) -> None:
-    """The engine thread sends serial deliveries itself: a drafter alive but not reading holds it
-    only for the delivery timeout (the graph's reply timeout), then counts as gone (its reply
-    wait breaks the graph, as before), and later calls still return their outcome."""
+    """A drafter alive but not reading holds a delivery only for the delivery timeout (the graph's
+    reply timeout; its reply wait breaks the graph, as before), then counts as gone and sees the
+    connection end (never a half message); the engine thread's calls still return their outcome."""
     import ddtree_serve.serve.step_sockets as step_sockets
 
     monkeypatch.setattr(step_sockets, "_DELIVERY_TIMEOUT_S", 0.3)
+    if inline:  # the engine thread sends even this one itself
+        monkeypatch.setattr(LocalTargetEnd, "INLINE_DELIVERY_BYTES", 1 << 40)
     listener = socket.create_server(("127.0.0.1", 0))
     address = ChannelAddress("127.0.0.1", listener.getsockname()[1], b"t" * 32)
     big = np.ones(64 << 20, np.uint8)  # more than both sockets' buffers
     end = LocalTargetEnd(lambda call, deliver: ("verified", big if deliver else None), overlap=False)
     end.connect(address)
-    drafter, _ = listener.accept()  # never reads
+    drafter, _ = listener.accept()  # reads nothing until the end gave up
+    assert drafter.recv(33) == b"t" * 32 + TARGET
     outcomes: list[Any] = []
 
     def steps() -> None:
@@ -327,9 +331,44 @@ def test_a_serial_delivery_to_a_drafter_that_stopped_reading_gives_up_after_its_
     runner.start()
     runner.join(timeout=30.0)
     assert outcomes == [(True, "verified")] * 2, "the engine thread is held by the drafter"
+    for _ in range(300):  # the sender thread's send times out on its own
+        if not end.connected:
+            break
+        time.sleep(0.1)
+    assert not end.connected
     drafter.settimeout(30.0)
     with pytest.raises(EOFError):  # the half-sent delivery ends the connection, never a message
         recv_message(drafter)
+    end.close()
+    drafter.close()
+    listener.close()
+
+
+def test_a_small_serial_delivery_waits_behind_a_large_one_the_sender_thread_holds() -> None:
+    """A delivery above `INLINE_DELIVERY_BYTES` goes by the sender thread; a small one after it
+    queues behind it rather than overtake it, and neither call waits for the drafter to read."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = ChannelAddress("127.0.0.1", listener.getsockname()[1], b"t" * 32)
+    sizes = iter([64 << 20, 16])
+    end = LocalTargetEnd(lambda call, deliver: ("verified", np.ones(next(sizes), np.uint8)), overlap=False)
+    end.connect(address)
+    drafter, _ = listener.accept()
+    assert drafter.recv(33) == b"t" * 32 + TARGET
+    outcomes: list[Any] = []
+
+    def steps() -> None:  # the drafter reads nothing yet: the first fills both buffers
+        for call_id in range(2):
+            outcomes.append(end.run(call_id, TargetCall(call_id, (), "verify_and_commit", None)))
+
+    runner = threading.Thread(target=steps, daemon=True)
+    runner.start()
+    runner.join(timeout=30.0)
+    assert outcomes == [(True, "verified")] * 2, "a call waited for the drafter to read"
+    received = [recv_message(drafter) for _ in range(2)]
+    assert [(execution, ok, len(value)) for execution, ok, value in received] == [
+        (0, True, 64 << 20),
+        (1, True, 16),
+    ]
     end.close()
     drafter.close()
     listener.close()
