@@ -365,9 +365,11 @@ class LocalTargetEnd:
     blocked sending a large draft never waits on a delivery stuck behind it in a full socket.
     The graph's results need no reply to wait for: `run` returns the call's outcome."""
 
-    INLINE_DELIVERY_BYTES = 256 << 10
-    """The largest serial delivery the engine thread sends itself (the bundled pair's step at
-    batch 64 is a few KiB; a prompt's features, or a large model's batch, go by the thread)."""
+    INLINE_DELIVERY_BYTES = 1 << 20
+    """The largest serial delivery the engine thread sends itself: well inside the socket's
+    buffer, and where `placement.features: auto` switches to CUDA IPC handles on one GPU (the
+    bundled pair's verify at batch 64 is ~350 KiB; a long prompt's features, or a large model's
+    batch through host memory, go by the thread)."""
 
     def __init__(self, run_call: RunTargetCall, overlap: bool) -> None:
         self._run_call = run_call
