@@ -151,7 +151,7 @@ class AsyncLLM:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         stream = self._open_stream(request_id)
-        self._commands.put(_Add(request_id, prompt, params))
+        self._submit(_Add(request_id, prompt, params))
         detokenizer = Detokenizer(self.tokenizer, params.stop)
         finished = False
         try:
@@ -184,11 +184,11 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request between steps; harmless if it already finished."""
-        self._commands.put(_Abort(request_id))
+        self._submit(_Abort(request_id))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread after the current step; open streams get `EngineDeadError`."""
-        self._commands.put(_SHUTDOWN)
+        self._submit(_SHUTDOWN)
         self._thread.join(timeout_s)
 
     @property
@@ -227,6 +227,10 @@ class AsyncLLM:
 
     # ----------------------------------------------------------------------------- engine thread
 
+    def _submit(self, command: object) -> None:
+        """An add, an abort or the shutdown, for the engine thread to apply between steps."""
+        self._commands.put(command)
+
     def _run(self) -> None:
         try:
             while True:
@@ -247,13 +251,17 @@ class AsyncLLM:
                 logger.error("engine stopped: %s; failing every open request", error)
             elif not isinstance(error, EngineDeadError):
                 logger.exception("engine step failed; failing every open request")
-            with self._streams_lock:
-                self._error = error
-                streams = list(self._streams.values())
-            for stream in streams:
-                stream.put(
-                    error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error), error)
-                )
+            self._fail_streams(
+                error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error), error)
+            )
+
+    def _fail_streams(self, error: EngineDeadError) -> None:
+        """The engine has stopped: no stream opens again, and every open one ends with `error`."""
+        with self._streams_lock:
+            self._error = error
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(error)
 
     def _drain_commands(self, block: bool) -> list[object]:
         commands: list[object] = []
@@ -303,6 +311,11 @@ def _push_all(deliveries: list[tuple["_Stream", RequestOutput]]) -> None:
     """On the streams' loop: each output onto its stream, in the step's order."""
     for stream, output in deliveries:
         stream.push(output)
+
+
+def _dead(error: BaseException) -> "EngineDeadError":
+    """`error` as what the streams get: itself when it says the engine is dead, else wrapped."""
+    return error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error), error)
 
 
 def _cause(error: BaseException | None) -> BaseException | None:

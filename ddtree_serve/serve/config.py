@@ -77,15 +77,18 @@ class PlacementConfig(_Strict):
         "on CPU) that shards attention heads, MLPs, experts and the vocabulary; the coordinator "
         "still sees one target.",
     )
-    workers: Literal["actors", "target_in_coordinator", "in_process"] = Field(
+    workers: Literal["actors", "target_in_coordinator", "engine_core", "in_process"] = Field(
         default="actors",
         description="'actors': DrafterWorker and TargetWorker actors in the group's bundles (the "
         "speculation group); 'target_in_coordinator': the target model inside the Coordinator "
         "replica (which then reserves placement.target's resources in its bundle, as SGLang's "
         "scheduler holds its rank-0 worker) and the drafter in its actor, reached over the socket "
         "step graph: a step's one hop is the draft's; a lost target is a lost replica, which "
-        "Serve replaces; 'in_process': both models inside the Coordinator replica (debugging, "
-        "Serve's local testing mode).",
+        "Serve replaces; 'engine_core': the target model and the engine loop in an EngineCore "
+        "actor in the target's bundle (vLLM's engine core: the loop no longer shares a process "
+        "with Serve's streams), the drafter in its actor over the socket step graph, the "
+        "Coordinator a client of the core; a lost core is a lost replica; 'in_process': both "
+        "models inside the Coordinator replica (debugging, Serve's local testing mode).",
     )
     transport: Literal["auto", "actor_calls", "compiled_graph", "sockets"] = Field(
         default="auto",
@@ -458,20 +461,20 @@ class ServeConfig(_Strict):
             raise ValueError(
                 f"placement.transport '{placement.transport}' needs a drafter (mode 'ar' has none)"
             )
-        if placement.workers == "target_in_coordinator":
+        if placement.workers in ("target_in_coordinator", "engine_core"):
             if self.engine.mode == "ar":
                 raise ValueError(
-                    "placement.workers 'target_in_coordinator' needs a drafter (mode 'ar' has none)"
+                    f"placement.workers '{placement.workers}' needs a drafter (mode 'ar' has none)"
                 )
             if placement.transport not in ("auto", "sockets"):
                 raise ValueError(
-                    "placement.workers 'target_in_coordinator' reaches its drafter over transport 'sockets'"
+                    f"placement.workers '{placement.workers}' reaches its drafter over transport 'sockets'"
                 )
         if placement.overlap:
             if placement.workers == "in_process":
                 raise ValueError(
-                    "placement.overlap needs workers 'actors' or 'target_in_coordinator' (two "
-                    "processes to overlap)"
+                    "placement.overlap needs workers 'actors', 'target_in_coordinator' or "
+                    "'engine_core' (two processes to overlap)"
                 )
             if self.engine.mode == "ar" or self.engine.budget_policy != "fixed":
                 raise ValueError("placement.overlap needs a drafter and budget_policy 'fixed'")

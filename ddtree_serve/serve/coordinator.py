@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
+import ray
+
 from ddtree_serve.engine.async_llm import AsyncLLM, EngineDeadError
 from ddtree_serve.engine.budget import AdaptiveBudget
 from ddtree_serve.engine.builder import target_dir
@@ -34,11 +36,13 @@ from ddtree_serve.serve.autoscaling import serve_autoscaling_config
 from ddtree_serve.serve.chat import target_has_vision_tower
 from ddtree_serve.serve.compiled_graph import GraphDrafter, GraphTarget
 from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.engine_core import EngineCoreClient, EngineCoreTarget, EngineView
 from ddtree_serve.serve.errors import ErrorKind, RequestError, invalid
 from ddtree_serve.serve.group import (
     placement_bundles,
     reconnect_workers,
     restarts_target_in_place,
+    start_engine_core,
     start_workers,
 )
 from ddtree_serve.serve.load import GroupLoad
@@ -106,12 +110,18 @@ class Coordinator:
         None = load `config.engine`'s model directories (tests inject fakes here).
         """
         start_s = time.monotonic()
+        load = GroupLoad(config.engine.max_num_seqs)
+        self._tokenizer = load_tokenizer(target_dir(config.engine))
+        if config.placement.workers == "engine_core":
+            llm, telemetry, actors = self._start_engine_core(config, load, target_factory, drafter_factory)
+            self._init_shared(config, llm, telemetry, load, restart=None)
+            self._actors = actors
+            logger.info("speculation group up: engine core started in %.1f s", time.monotonic() - start_s)
+            return
         target, drafter = start_workers(config, target_factory, drafter_factory)
         telemetry = GroupTelemetry(
             config.observability, drafter.block_size if drafter else 1, config.engine.budget
         )
-        load = GroupLoad(config.engine.max_num_seqs)
-        self._tokenizer = load_tokenizer(target_dir(config.engine))
         llm = self._start_engine(config, target, drafter, telemetry, load)
         restart = self._restart_engine if restarts_target_in_place(config) else None
         self._init_shared(config, llm, telemetry, load, restart)
@@ -154,6 +164,28 @@ class Coordinator:
         llm = AsyncLLM(engine)
         telemetry.start_load_gauges(llm)
         return llm
+
+    def _start_engine_core(
+        self,
+        config: ServeConfig,
+        load: GroupLoad,
+        target_factory: TargetFactory | None,
+        drafter_factory: DrafterFactory | None,
+    ) -> tuple[AsyncLLM, GroupTelemetry, dict[str, Any]]:
+        """The engine core's group and this replica's client of it, observed by telemetry and load
+        as an engine in this process would be -> (client, telemetry, actors by role)."""
+        core, drafter_actor = start_engine_core(config, target_factory, drafter_factory)
+        info = ray.get(core.info.remote())
+        telemetry = GroupTelemetry(config.observability, info.block_size, config.engine.budget)
+
+        def observe(record: StepRecord) -> None:
+            telemetry.on_step(record)
+            load.on_step(record)
+
+        view = EngineView(info, config.engine.to_settings(), self._tokenizer, EngineCoreTarget(core))
+        llm = EngineCoreClient(core, ray.get(core.address.remote()), view, observe)
+        telemetry.start_load_gauges(llm)
+        return llm, telemetry, {"target": core, "drafter": drafter_actor}
 
     def _restart_engine(self, lost: AsyncLLM) -> AsyncLLM:
         """The supervisor's restart (blocking, on a worker thread): stop the engine that lost its
@@ -314,7 +346,7 @@ class Coordinator:
             return
         llm = supervisor.llm
         target = llm.engine.target
-        if isinstance(target, RayTarget | RayTargetGroup | GraphTarget):
+        if isinstance(target, RayTarget | RayTargetGroup | GraphTarget | EngineCoreTarget):
             try:
                 await target.check_alive()
             except TargetUnavailableError as error:

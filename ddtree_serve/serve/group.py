@@ -5,7 +5,9 @@ itself (Serve's rule), then the drafter, then the target group (one bundle, or o
 tensor-parallel rank: `target_group.py`); mode "ar" has no drafter and therefore no drafter
 bundle, so the target moves up to bundle 1. The workers are Ray actors in those bundles, the
 target inside the replica and the drafter in its actor (placement.workers =
-"target_in_coordinator": bundle 0 then also holds the target's resources; `local_target.py`), or
+"target_in_coordinator": bundle 0 then also holds the target's resources; `local_target.py`), the
+target and the engine loop in an `EngineCore` actor in the target's bundle (placement.workers =
+"engine_core"; `engine_core.py`), or
 in-process models inside the replica (placement.workers = "in_process");
 `placement.transport` picks how the Coordinator reaches the actors (`compiled_graph.py`, over
 Ray's channels or the group's own sockets: `step_sockets.py`), and
@@ -22,6 +24,7 @@ torch.distributed group): a lost rank fails health and Serve replaces the whole 
 
 from typing import Any
 
+import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -79,6 +82,8 @@ def start_workers(
         drafter_factory = None
     else:
         drafter_factory = drafter_factory or DraftStepFactory(engine_config)
+    if config.placement.workers == "engine_core":
+        raise ValueError("an engine core's group starts with start_engine_core (the engine runs there)")
     if config.placement.workers == "in_process":
         return target_factory(), drafter_factory() if drafter_factory is not None else None
     if config.placement.workers == "target_in_coordinator":
@@ -118,6 +123,24 @@ def _start_target_in_coordinator(
     drafter = RayDrafter(drafter_actor)
     _deliver_features(config, target, drafter)
     return graph_workers(target, drafter, config.placement.overlap, "sockets")
+
+
+def start_engine_core(
+    config: ServeConfig,
+    target_factory: TargetFactory | None = None,
+    drafter_factory: DrafterFactory | None = None,
+) -> tuple[Any, Any]:
+    """The group of `placement.workers: engine_core`: the drafter actor in its bundle and the
+    `EngineCore` actor (target model, engine loop) in the target's, once the core is up
+    -> (core actor, drafter actor)."""
+    from ddtree_serve.serve.engine_core import EngineCore
+
+    drafter_actor = _start_drafter(config, drafter_factory or DraftStepFactory(config.engine))
+    options = _worker_options(config.placement.target, TARGET_BUNDLE)
+    core_actor = ray.remote(EngineCore).options(**options, max_restarts=0)
+    core = core_actor.remote(config, drafter_actor, target_factory)
+    ray.get(core.info.remote())  # the core has loaded its model and built its engine
+    return core, drafter_actor
 
 
 def _start_actors(

@@ -36,6 +36,9 @@ def test_the_default_transport_is_the_socket_graph_wherever_it_applies() -> None
         ({}, {"workers": "target_in_coordinator", "transport": "compiled_graph"}, "transport 'sockets'"),
         ({}, {"workers": "target_in_coordinator", "transport": "actor_calls"}, "transport 'sockets'"),
         ({}, {"workers": "target_in_coordinator", "tensor_parallel_size": 2}, "needs workers 'actors'"),
+        ({"mode": "ar"}, {"workers": "engine_core"}, "needs a drafter"),
+        ({}, {"workers": "engine_core", "transport": "compiled_graph"}, "transport 'sockets'"),
+        ({}, {"workers": "engine_core", "tensor_parallel_size": 2}, "needs workers 'actors'"),
     ],
 )
 def test_combinations_that_cannot_run_are_refused(engine: dict, placement: dict, message: str) -> None:
@@ -72,3 +75,23 @@ def test_a_target_in_the_coordinator_brings_its_resources_into_bundle_0() -> Non
     two_actors = ServeConfig.model_validate({"placement": {**placement, "workers": "actors"}})
     assert len(placement_bundles(two_actors)) == 3
     assert "num_gpus" not in Coordinator.get_deployment_options(two_actors)["ray_actor_options"]
+
+
+def test_an_engine_core_takes_the_targets_bundle_and_the_replica_keeps_its_own() -> None:
+    """The core (target and engine loop) is an actor in the target's bundle, as a target actor is;
+    the replica reserves only the Coordinator's resources, and the group restarts nothing in place."""
+    from ddtree_serve.serve.coordinator import Coordinator
+    from ddtree_serve.serve.group import placement_bundles, restarts_target_in_place
+
+    placement = {
+        "workers": "engine_core",
+        "coordinator": {"num_cpus": 0.25},
+        "drafter": {"num_cpus": 0.5, "num_gpus": 0.5},
+        "target": {"num_cpus": 1.0, "num_gpus": 0.5},
+    }
+    config = ServeConfig.model_validate({"placement": placement})
+    assert config.transport == "sockets"
+    assert placement_bundles(config) == [{"CPU": 0.25}, {"CPU": 0.5, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}]
+    actor_options = Coordinator.get_deployment_options(config)["ray_actor_options"]
+    assert actor_options == {"num_cpus": 0.25, "resources": {}}
+    assert not restarts_target_in_place(config)

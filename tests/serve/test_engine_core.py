@@ -1,0 +1,188 @@
+"""The served app with the engine loop in its own process (`placement.workers: engine_core`): the
+target and the engine in an `EngineCore` actor, the drafter in its actor, the Coordinator a
+client of the core. A real local Ray cluster with fake GPUs, the deployed application, real HTTP
+and gRPC clients, a cancelled stream, a refused prompt and a drafter killed under load.
+
+The bundled pair (a trained drafter, so speculation is visible in tau); every output must equal
+the in-process engine's greedy output.
+"""
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from ddtree_serve.engine.llm import LLM
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.serve.protos import DDTreeServeStub
+from tests.conftest import TinyModelDirs
+from tests.serve.conftest import (
+    ServeCluster,
+    on_the_bundled_pair,
+    reference_llm,
+    start_serve_cluster,
+    tiny_serve_config,
+)
+from tests.serve.test_faults import (
+    completion_body,
+    group_identity,
+    grpc_stream,
+    health,
+    http_stream,
+    stream_text,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(10):"]
+STREAM_TOKENS = 160  # long enough that the kill lands mid-stream
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
+    raw = tiny_serve_config(
+        tiny_model_dirs,
+        engine={"max_seq_len": 512, "max_num_seqs": 4, "max_queue_len": 8, "budget": 8},
+        placement={
+            "workers": "engine_core",
+            "coordinator": {"num_cpus": 0.25},
+            "drafter": {"num_cpus": 0.25, "num_gpus": 1},
+            "target": {"num_cpus": 0.25, "num_gpus": 1},
+        },
+    )
+    yield from start_serve_cluster(on_the_bundled_pair(raw), num_gpus=2)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: ServeCluster) -> LLM:
+    return reference_llm(cluster)
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def _streams(cluster: ServeCluster, client: httpx.AsyncClient, stub: Any) -> list[asyncio.Task]:
+    """Every prompt streamed at once, HTTP and gRPC in turn."""
+    return [
+        asyncio.create_task(
+            http_stream(client, cluster.http_url, prompt, STREAM_TOKENS)
+            if i % 2 == 0
+            else grpc_stream(stub, prompt, STREAM_TOKENS)
+        )
+        for i, prompt in enumerate(PROMPTS)
+    ]
+
+
+def test_the_core_holds_the_targets_gpu_beside_the_drafter_and_the_replica_holds_none(
+    cluster: ServeCluster,
+) -> None:
+    import ray
+
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    bundles = [[dict(b) for b in g["bundles"].values()] for g in groups]
+    assert [{"CPU": 0.25}, {"CPU": 0.25, "GPU": 1.0}, {"CPU": 0.25, "GPU": 1.0}] in bundles
+    assert set(group_identity(cluster)) == {"target", "drafter"}  # the core is the target's actor
+
+
+def test_http_and_grpc_streams_equal_the_in_process_engine_and_speculate(
+    cluster: ServeCluster, reference: LLM
+) -> None:
+    expected = [o.text for o in reference.generate(PROMPTS, _greedy(STREAM_TOKENS))]
+
+    async def run() -> tuple[list[Any], dict[str, Any], dict[str, Any], int]:
+        async with (
+            httpx.AsyncClient(timeout=300) as client,
+            grpc.aio.insecure_channel(cluster.grpc_target) as channel,
+        ):
+            results = await asyncio.gather(*await _streams(cluster, client, DDTreeServeStub(channel)))
+            response = await client.post(
+                f"{cluster.http_url}/v1/completions", json=completion_body(PROMPTS[0], 48)
+            )
+            assert response.status_code == 200, response.text
+            refused = await client.post(
+                f"{cluster.http_url}/v1/completions", json=completion_body("a " * 600, 8)
+            )
+            return (
+                list(results),
+                response.json(),
+                (await health(client, cluster.http_url))[1],
+                refused.status_code,
+            )
+
+    results, single, stats, refused = asyncio.run(run())
+    assert [stream_text(r) if isinstance(r, list) else r for r in results] == expected
+    assert single["choices"][0]["text"] == reference.generate([PROMPTS[0]], _greedy(48))[0].text
+    assert single["usage"]["acceptance_length"] > 1.0  # the drafter in its actor does draft
+    assert refused == 400  # longer than the engine's max_seq_len: the core's limit, read by the client
+    assert stats["engine_steps"] > 0 and stats["engine_step_seconds"] > 0.0
+    assert stats["running"] == stats["waiting"] == stats["open_streams"] == 0
+
+
+def test_a_stream_left_early_frees_its_slot_in_the_core(cluster: ServeCluster) -> None:
+    async def run() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            body = completion_body(PROMPTS[1], 400, stream=True)
+            async with client.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # leave after the first chunk
+
+            async def freed() -> bool:
+                return (await health(client, cluster.http_url))[1]["running"] == 0
+
+            await wait_until(freed)
+            return (await health(client, cluster.http_url))[1]
+
+    stats = asyncio.run(run())
+    assert stats["running"] == 0 and stats["cancelled"] >= 1
+
+
+def test_killing_the_drafter_loses_no_request_and_the_group_stays_healthy(
+    cluster: ServeCluster, reference: LLM
+) -> None:
+    import ray
+
+    expected = [o.text for o in reference.generate(PROMPTS, _greedy(STREAM_TOKENS))]
+    drafter = group_identity(cluster)["drafter"]
+
+    async def run() -> tuple[list[Any], list[int], int]:
+        async with (
+            httpx.AsyncClient(timeout=300) as client,
+            grpc.aio.insecure_channel(cluster.grpc_target) as channel,
+        ):
+            streams = await _streams(cluster, client, DDTreeServeStub(channel))
+
+            async def all_running() -> bool:
+                return (await health(client, cluster.http_url))[1]["running"] == len(PROMPTS)
+
+            await wait_until(all_running)
+            losses_before = (await health(client, cluster.http_url))[1]["drafter_losses"]
+            ray.kill(drafter, no_restart=False)
+            statuses = []
+            while not all(stream.done() for stream in streams):
+                statuses.append((await health(client, cluster.http_url))[0])
+                await asyncio.sleep(0.1)
+            results = await asyncio.gather(*streams, return_exceptions=True)
+
+            async def speculating_again() -> bool:
+                """The core finds the restarted drafter at a step: one short request a try."""
+                response = await client.post(
+                    f"{cluster.http_url}/v1/completions", json=completion_body(PROMPTS[0], 4)
+                )
+                assert response.status_code == 200, response.text
+                return (await health(client, cluster.http_url))[1]["speculating"] == 1
+
+            await wait_until(speculating_again)
+            losses = (await health(client, cluster.http_url))[1]["drafter_losses"] - losses_before
+            return list(results), statuses, losses
+
+    results, statuses, losses = asyncio.run(run())
+    assert not [r for r in results if isinstance(r, BaseException)]
+    assert [stream_text(r) if isinstance(r, list) else r for r in results] == expected
+    assert set(statuses) == {200}  # a lost drafter never makes the group unhealthy
+    assert losses == 1
