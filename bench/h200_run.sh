@@ -6,7 +6,7 @@
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
 # graph chain overlap direct sockets local local_chain local_interval local_hops local_profile
-# local_profile_tcp rtt steps ttft ttft_direct ttft_sockets fake features features_test gate
+# local_profile_tcp rtt core steps ttft ttft_direct ttft_sockets fake features features_test gate
 # (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
@@ -69,6 +69,9 @@ for stage in "${STAGES[@]}"; do
     local_profile_tcp) DDTREE_STEP_SOCKET_FAMILY=tcp run local_profile_tcp 200 python3 bench/hop_breakdown.py \
       --device cuda --dtype bfloat16 --num-cpus 8 --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 \
       --rounds 1 --configurations in_process local_target --profile 30 ;;
+    core) run core 420 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --workers target_in_coordinator engine_core --transport sockets --concurrency 1 16 64 \
+      --requests-per-client 6 --serve-throughput-optimized --direct-ingress ;;
     rtt) run rtt 120 python3 bench/step_socket_rtt.py --batch-sizes 1 16 64 --repeats 500 ;;
     ttft_sockets) run ttft_sockets 120 python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 \
       --transport sockets --serve-throughput-optimized --direct-ingress ;;
