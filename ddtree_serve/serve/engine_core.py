@@ -132,23 +132,31 @@ class EngineCore:
                     if command[0] == "shutdown":
                         return
                     self._apply(client, command)
-                if self.engine.has_unfinished_requests():
-                    started = time.perf_counter()
-                    outputs = self.engine.step()
-                    self._step_seconds += time.perf_counter() - started
-                    self._num_steps += 1
-                    record = self._records.pop() if self._records else None
-                    self._records.clear()
-                    self._send_step(client, outputs, record)
+                if self.engine.has_unfinished_requests() and not self._step(client):
+                    return
         except (OSError, EOFError):
             logger.warning("the engine core's client left; the loop ends")
+        finally:
+            client.close()
+
+    def _step(self, client: socket.socket) -> bool:
+        """One engine step and its message; False when the step failed (the core is dead: the
+        client is told why, its requests end retriable and the replica is replaced)."""
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.step()
         except BaseException as error:
             logger.exception("engine core step failed")
             self._error = error
             with contextlib.suppress(OSError):
-                send_message(client, ("dead", repr(error)))
-        finally:
-            client.close()
+                send_message(client, ("dead", f"{type(error).__name__}: {error}"))
+            return False
+        self._step_seconds += time.perf_counter() - started
+        self._num_steps += 1
+        record = self._records.pop() if self._records else None
+        self._records.clear()
+        self._send_step(client, outputs, record)
+        return True
 
     @staticmethod
     def _commands(client: socket.socket, block: bool) -> list[tuple[Any, ...]]:
@@ -296,12 +304,14 @@ class EngineCoreClient(AsyncLLM):
                         self.num_steps,
                         self.step_seconds,
                     ) = stats
-                    self._dispatch(outputs)
-                    if lite is not None:
+                    if lite is not None:  # before the outputs, as in process: a finished
+                        # request's span is still open for its last step's phases
                         index, intervals_ns, num_step_tokens, budget = lite
                         self._observer(StepRecord(index, intervals_ns, outputs, num_step_tokens, budget))
+                    self._dispatch(outputs)
                 else:
-                    raise EngineDeadError(f"the engine core stopped: {message[1]}")
+                    lost = TargetUnavailableError(f"the engine core stopped: {message[1]}")
+                    raise EngineDeadError(repr(lost), lost)
         except (OSError, EOFError) as error:
             if self._closing:
                 self._fail_streams(EngineDeadError("the engine was shut down"))
@@ -325,5 +335,7 @@ class EngineCoreClient(AsyncLLM):
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._closing = True
         super().shutdown(timeout_s)
+        with contextlib.suppress(OSError):  # wakes a receiver still waiting on a core that hangs
+            self._socket.shutdown(socket.SHUT_RDWR)
         self._socket.close()
         ray.kill(self.actor)

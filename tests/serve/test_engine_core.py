@@ -86,7 +86,9 @@ def test_the_core_holds_the_targets_gpu_beside_the_drafter_and_the_replica_holds
     groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
     bundles = [[dict(b) for b in g["bundles"].values()] for g in groups]
     assert [{"CPU": 0.25}, {"CPU": 0.25, "GPU": 1.0}, {"CPU": 0.25, "GPU": 1.0}] in bundles
-    assert set(group_identity(cluster)) == {"target", "drafter"}  # the core is the target's actor
+    core = group_identity(cluster)["target"]
+    info = ray.get(core.info.remote(), timeout=60)  # the target's actor is the core, with the engine
+    assert (info.max_seq_len, info.block_size) == (512, 16)
 
 
 def test_http_and_grpc_streams_equal_the_in_process_engine_and_speculate(
@@ -118,28 +120,33 @@ def test_http_and_grpc_streams_equal_the_in_process_engine_and_speculate(
     assert [stream_text(r) if isinstance(r, list) else r for r in results] == expected
     assert single["choices"][0]["text"] == reference.generate([PROMPTS[0]], _greedy(48))[0].text
     assert single["usage"]["acceptance_length"] > 1.0  # the drafter in its actor does draft
-    assert refused == 400  # longer than the engine's max_seq_len: the core's limit, read by the client
+    assert refused == 400  # past the core's max_seq_len (its figures, as the client read them)
     assert stats["engine_steps"] > 0 and stats["engine_step_seconds"] > 0.0
     assert stats["running"] == stats["waiting"] == stats["open_streams"] == 0
 
 
 def test_a_stream_left_early_frees_its_slot_in_the_core(cluster: ServeCluster) -> None:
-    async def run() -> dict[str, Any]:
+    """The abort reaches the core: the request ends within a few steps of the caller leaving,
+    not after the ~400 tokens it asked for (at tau ~2.5, ~160 steps)."""
+
+    async def run() -> tuple[int, dict[str, Any]]:
         async with httpx.AsyncClient(timeout=300) as client:
             body = completion_body(PROMPTS[1], 400, stream=True)
             async with client.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         break  # leave after the first chunk
+            left_at = (await health(client, cluster.http_url))[1]["engine_steps"]
 
             async def freed() -> bool:
                 return (await health(client, cluster.http_url))[1]["running"] == 0
 
             await wait_until(freed)
-            return (await health(client, cluster.http_url))[1]
+            return left_at, (await health(client, cluster.http_url))[1]
 
-    stats = asyncio.run(run())
+    left_at, stats = asyncio.run(run())
     assert stats["running"] == 0 and stats["cancelled"] >= 1
+    assert stats["engine_steps"] - left_at < 40
 
 
 def test_killing_the_drafter_loses_no_request_and_the_group_stays_healthy(
@@ -186,3 +193,42 @@ def test_killing_the_drafter_loses_no_request_and_the_group_stays_healthy(
     assert [stream_text(r) if isinstance(r, list) else r for r in results] == expected
     assert set(statuses) == {200}  # a lost drafter never makes the group unhealthy
     assert losses == 1
+
+
+def test_a_core_that_dies_ends_its_requests_retriable_and_serve_replaces_the_group(
+    cluster: ServeCluster, reference: LLM
+) -> None:
+    """The core holds the target: killing it ends the request in flight with a retriable 503,
+    health fails, and Serve's new group (a new core and drafter) serves correctly. Runs last: it
+    replaces the module's group."""
+    import ray
+
+    from tests.serve.test_faults import serving
+
+    group = group_identity(cluster)
+    url = cluster.http_url
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=300) as client:
+            in_flight = asyncio.create_task(
+                client.post(f"{url}/v1/completions", json=completion_body(PROMPTS[0], 400))
+            )
+
+            async def running() -> bool:
+                return (await health(client, url))[1].get("running") == 1
+
+            await wait_until(running)
+            ray.kill(group["target"], no_restart=True)
+            response = await in_flight
+            await wait_until(lambda: serving(client, url), timeout_s=120, interval_s=0.2)
+            return response
+
+    response = asyncio.run(run())
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"].isdigit()
+    replacement = group_identity(cluster)
+    assert replacement["target"] != group["target"] and replacement["drafter"] != group["drafter"]
+    want = reference.generate([PROMPTS[3]], _greedy(48))[0].text
+    ok = httpx.post(f"{url}/v1/completions", json=completion_body(PROMPTS[3], 48), timeout=120)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["text"] == want
