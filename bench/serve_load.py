@@ -352,9 +352,10 @@ def main() -> None:
         "--workers",
         nargs="+",
         default=["actors"],
-        choices=["actors", "target_in_coordinator", "in_process"],
+        choices=["actors", "target_in_coordinator", "engine_core", "in_process"],
         help="placement.workers values: drafter and target actors, the target inside the "
-        "Coordinator replica and the drafter in its actor, or both models inside the replica.",
+        "Coordinator replica and the drafter in its actor, the target and the engine loop in an "
+        "engine core actor, or both models inside the replica.",
     )
     parser.add_argument(
         "--transport",
@@ -421,7 +422,7 @@ def main() -> None:
         for i in intervals
         for f in args.features
         if c == "off" or (t != "actor_calls" and o == "off")  # chaining changes nothing elsewhere
-        if w != "target_in_coordinator" or t == "sockets"  # its one transport
+        if w not in ("target_in_coordinator", "engine_core") or t == "sockets"  # their one transport
     ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": free_port()}, "grpc": {"port": free_port()}}
