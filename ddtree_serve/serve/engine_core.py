@@ -11,8 +11,9 @@ whose engine is across one socket:
 
     Coordinator -> core: ("add", request id, prompt token ids, params), ("abort", request id),
                          ("shutdown",)
-    core -> Coordinator: ("added", request id, the add's error or None), and per step (and per
-                         prefill's first tokens) ("step", output deltas, step record, stats)
+    core -> Coordinator: ("added", request id, the add's error or None, requests waiting), and
+                         per step (and per prefill's first tokens) ("step", output deltas,
+                         step record, stats)
 
 An output delta is a request's new tokens since its last one; the client keeps each request's
 token list and rebuilds the `RequestOutput`s, then hands the step record (phases, tokens per
@@ -176,7 +177,8 @@ class EngineCore:
             self._sent_tokens[request_id] = 0
         except (ValueError, QueueFullError) as refused:
             error = refused
-        send_message(client, ("added", request_id, error))
+        # The queue as it stands now: the client's queue limit counts this request from here on.
+        send_message(client, ("added", request_id, error, self.engine.num_waiting))
 
     def _send_step(
         self, client: socket.socket, outputs: Sequence[RequestOutput], record: StepRecord | None
@@ -286,12 +288,13 @@ class EngineCoreClient(AsyncLLM):
                 message = recv_message(self._socket)
                 kind = message[0]
                 if kind == "added":
-                    _, request_id, error = message
+                    _, request_id, error, num_waiting = message
                     if error is not None:
                         self._deliver(request_id, error)
                     else:
                         self._tokens[request_id] = []
                     with self._streams_lock:
+                        view.num_waiting = num_waiting  # before the pending add leaves the count
                         self._num_pending_adds -= 1
                 elif kind == "step":
                     _, deltas, lite, stats = message

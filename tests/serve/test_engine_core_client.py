@@ -54,10 +54,16 @@ def test_deltas_become_cumulative_outputs_and_each_step_reaches_telemetry_first(
         first = asyncio.ensure_future(stream.__anext__())
         kind, request_id, prompt, params = await asyncio.to_thread(recv_message, end)
         assert (kind, request_id, prompt, params) == ("add", "r1", [5, 6, 7], PARAMS)
-        send_message(end, ("added", "r1", None))
+        send_message(end, ("added", "r1", None, 1))
+        for _ in range(500):  # the ack's queue length reaches the view (the client's queue limit)
+            if client.engine.num_waiting == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert client.engine.num_waiting == 1
         stats = (1, 0, True, 0, 1, 0.004)
         send_message(end, ("step", [("r1", [11], 1, False, None, None, _stats(1))], None, stats))
         outputs = [await first]
+        assert client.engine.num_waiting == 0  # the first tokens' stats: it runs
         lite = (1, {"verify": (0, 10)}, {"r1": 3}, None)
         send_message(end, ("step", [("r1", [12, 13, 14], 4, False, None, None, _stats(4))], lite, stats))
         outputs.append(await stream.__anext__())
@@ -84,7 +90,7 @@ def test_an_add_the_core_refused_raises_in_its_stream(core: Any) -> None:
         stream = client.generate_stream([5], PARAMS, request_id="r2")
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.to_thread(recv_message, end)
-        send_message(end, ("added", "r2", QueueFullError("request queue is full")))
+        send_message(end, ("added", "r2", QueueFullError("request queue is full"), 0))
         await first
 
     with pytest.raises(QueueFullError, match="queue is full"):
@@ -98,7 +104,7 @@ def test_a_core_that_died_ends_every_stream_with_a_target_loss(core: Any) -> Non
         stream = client.generate_stream([5], PARAMS, request_id="r3")
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.to_thread(recv_message, end)
-        send_message(end, ("added", "r3", None))
+        send_message(end, ("added", "r3", None, 0))
         send_message(end, ("dead", "RuntimeError: CUDA error"))
         await first
 
