@@ -46,7 +46,7 @@ from ddtree_serve.serve.group import (
     start_workers,
 )
 from ddtree_serve.serve.load import GroupLoad
-from ddtree_serve.serve.observed_engine import ObservedEngine, StepRecord
+from ddtree_serve.serve.observed_engine import StepObserver, StepRecord, group_engine
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest, Usage
 from ddtree_serve.serve.supervisor import EngineSupervisor
 from ddtree_serve.serve.target_group import RayTargetGroup
@@ -146,22 +146,8 @@ class Coordinator:
         """The engine thread over the group's workers, observed by its telemetry and load.
 
         `budget_policy`: the lost engine's adaptive policy, kept over a restart (no recalibration)."""
-
-        def observe(record: StepRecord) -> None:
-            telemetry.on_step(record)
-            load.on_step(record)
-
-        engine = ObservedEngine(
-            config.engine.to_settings(),
-            target,
-            drafter,
-            self._tokenizer,
-            observer=observe,
-            overlap=config.placement.overlap,
-            budget_policy=budget_policy,
-            chain_drafts=config.placement.chain_drafts,
-        )
-        llm = AsyncLLM(engine)
+        observer = _step_observer(telemetry, load)
+        llm = AsyncLLM(group_engine(config, target, drafter, self._tokenizer, observer, budget_policy))
         telemetry.start_load_gauges(llm)
         return llm
 
@@ -177,13 +163,9 @@ class Coordinator:
         core, drafter_actor = start_engine_core(config, target_factory, drafter_factory)
         info = ray.get(core.info.remote())
         telemetry = GroupTelemetry(config.observability, info.block_size, config.engine.budget)
-
-        def observe(record: StepRecord) -> None:
-            telemetry.on_step(record)
-            load.on_step(record)
-
         view = EngineView(info, config.engine.to_settings(), self._tokenizer, EngineCoreTarget(core))
-        llm = EngineCoreClient(core, ray.get(core.address.remote()), view, observe)
+        observer = _step_observer(telemetry, load)
+        llm = EngineCoreClient(core, ray.get(core.address.remote()), view, observer)
         telemetry.start_load_gauges(llm)
         return llm, telemetry, {"target": core, "drafter": drafter_actor}
 
@@ -360,6 +342,16 @@ class Coordinator:
         """The group's worker actor handles by role ("target", "drafter"; none in process), for
         operators' fault drills and the fault tests."""
         return dict(self._actors)
+
+
+def _step_observer(telemetry: GroupTelemetry, load: GroupLoad) -> StepObserver:
+    """Each step of the group's engine, for its telemetry and its load."""
+
+    def observe(record: StepRecord) -> None:
+        telemetry.on_step(record)
+        load.on_step(record)
+
+    return observe
 
 
 def _request_error(error: Exception, retired: bool) -> tuple[RequestError, str | None]:

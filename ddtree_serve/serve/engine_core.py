@@ -43,12 +43,17 @@ from ddtree_serve.engine.interfaces import TargetUnavailableError
 from ddtree_serve.engine.request import RequestOutput, RequestStats
 from ddtree_serve.engine.scheduler import QueueFullError
 from ddtree_serve.engine.settings import EngineSettings
-from ddtree_serve.serve.observed_engine import StepObserver, StepRecord
-from ddtree_serve.serve.step_sockets import ChannelAddress, _Listener, connect, recv_message, send_message
+from ddtree_serve.serve.observed_engine import StepObserver, StepRecord, group_engine
+from ddtree_serve.serve.step_sockets import (
+    _ROLE_COORDINATOR,
+    ChannelAddress,
+    _Listener,
+    connect,
+    recv_message,
+    send_message,
+)
 
 logger = logging.getLogger(__name__)
-
-_ROLE_CLIENT = b"C"
 
 OutputDelta = tuple[str, list[int], int, bool, str | None, int | None, RequestStats]
 """(request id, new token ids, tokens so far, finished, finish reason, stop text offset, stats)."""
@@ -71,26 +76,13 @@ class EngineCore:
     def __init__(self, config: Any, drafter_actor: Any, target_factory: Any = None) -> None:
         from ddtree_serve.engine.builder import TargetStepFactory, target_dir
         from ddtree_serve.models import load_tokenizer
-        from ddtree_serve.serve.compiled_graph import graph_workers
-        from ddtree_serve.serve.group import _deliver_features
-        from ddtree_serve.serve.local_target import LocalTarget
-        from ddtree_serve.serve.observed_engine import ObservedEngine
-        from ddtree_serve.serve.workers import RayDrafter
+        from ddtree_serve.serve.group import local_target_workers
 
-        target = LocalTarget((target_factory or TargetStepFactory(config.engine))())
-        drafter = RayDrafter(drafter_actor)
-        _deliver_features(config, target, drafter)
-        graph_target, graph_drafter = graph_workers(target, drafter, config.placement.overlap, "sockets")
-        self._records: list[StepRecord] = []
-        self.engine = ObservedEngine(
-            config.engine.to_settings(),
-            graph_target,
-            graph_drafter,
-            load_tokenizer(target_dir(config.engine)),
-            observer=self._records.append,
-            overlap=config.placement.overlap,
-            chain_drafts=config.placement.chain_drafts,
-        )
+        target_factory = target_factory or TargetStepFactory(config.engine)
+        target, drafter = local_target_workers(config, target_factory, drafter_actor)
+        self._record: StepRecord | None = None  # the step's, as the engine reported it
+        tokenizer = load_tokenizer(target_dir(config.engine))
+        self.engine = group_engine(config, target, drafter, tokenizer, self._keep_record)
         self._listener = _Listener()
         self._sent_tokens: dict[str, int] = {}
         self._error: BaseException | None = None
@@ -98,6 +90,9 @@ class EngineCore:
         self._step_seconds = 0.0
         self._thread = threading.Thread(target=self._serve, name="ddtree-engine-core", daemon=True)
         self._thread.start()
+
+    def _keep_record(self, record: StepRecord) -> None:
+        self._record = record
 
     def address(self) -> ChannelAddress:
         return self._listener.address
@@ -123,7 +118,7 @@ class EngineCore:
         client = None
         while client is None:
             accepted = self._listener.accept_any()
-            if accepted is not None and accepted[1] == _ROLE_CLIENT:
+            if accepted is not None and accepted[1] == _ROLE_COORDINATOR:
                 client = accepted[0]
         self.engine.on_first_tokens = lambda outputs: self._send_step(client, outputs, None)
         try:
@@ -154,8 +149,7 @@ class EngineCore:
             return False
         self._step_seconds += time.perf_counter() - started
         self._num_steps += 1
-        record = self._records.pop() if self._records else None
-        self._records.clear()
+        record, self._record = self._record, None
         self._send_step(client, outputs, record)
         return True
 
@@ -257,7 +251,7 @@ class EngineCoreClient(AsyncLLM):
     def __init__(self, actor: Any, address: ChannelAddress, view: EngineView, observer: StepObserver) -> None:
         self.actor = actor
         self._observer = observer
-        self._socket = connect(address, _ROLE_CLIENT)
+        self._socket = connect(address, _ROLE_COORDINATOR)
         self._send_lock = threading.Lock()
         self._tokens: dict[str, list[int]] = {}
         self._closing = False  # a shutdown asked for: the core's end is no loss

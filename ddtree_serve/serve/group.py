@@ -118,7 +118,14 @@ def _start_target_in_coordinator(
     config: ServeConfig, target_factory: TargetFactory, drafter_factory: DrafterFactory
 ) -> tuple[Target, Drafter]:
     """The drafter actor, and the target model loaded here while the actor starts."""
-    drafter_actor = _start_drafter(config, drafter_factory)
+    return local_target_workers(config, target_factory, _start_drafter(config, drafter_factory))
+
+
+def local_target_workers(
+    config: ServeConfig, target_factory: TargetFactory, drafter_actor: Any
+) -> tuple[Target, Drafter]:
+    """The target model loaded in this process and the drafter actor, over the socket step graph
+    (the Coordinator's with `target_in_coordinator`, an `EngineCore`'s with `engine_core`)."""
     target = LocalTarget(target_factory())
     drafter = RayDrafter(drafter_actor)
     _deliver_features(config, target, drafter)

@@ -11,11 +11,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ddtree_serve.engine.budget import BudgetStep
+from tokenizers import Tokenizer
+
+from ddtree_serve.engine.budget import AdaptiveBudget, BudgetStep
+from ddtree_serve.engine.interfaces import Drafter, Target
 from ddtree_serve.engine.request import RequestOutput
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.engine.timing import StageTimer
+
+if TYPE_CHECKING:
+    from ddtree_serve.serve.config import ServeConfig
 
 
 class PhaseIntervals(StageTimer):
@@ -89,3 +96,25 @@ class ObservedEngine(SpecEngine):
 
     def _last_budget_step(self) -> BudgetStep | None:
         return None if self.budget_policy is None else self.budget_policy.last_step
+
+
+def group_engine(
+    config: "ServeConfig",
+    target: Target,
+    drafter: Drafter | None,
+    tokenizer: Tokenizer,
+    observer: StepObserver,
+    budget_policy: AdaptiveBudget | None = None,
+) -> ObservedEngine:
+    """The speculation group's engine over its workers, as `config` shapes it (overlap, chained
+    drafts), reporting each step to `observer`; `budget_policy`: a lost engine's, kept."""
+    return ObservedEngine(
+        config.engine.to_settings(),
+        target,
+        drafter,
+        tokenizer,
+        observer=observer,
+        overlap=config.placement.overlap,
+        budget_policy=budget_policy,
+        chain_drafts=config.placement.chain_drafts,
+    )
