@@ -11,13 +11,10 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 
 from ddtree_serve.engine.llm import LLM
-from ddtree_serve.engine.sampling_params import SamplingParams
-from ddtree_serve.serve.protos import DDTreeServeStub
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import (
     ServeCluster,
@@ -26,20 +23,14 @@ from tests.serve.conftest import (
     start_serve_cluster,
     tiny_serve_config,
 )
-from tests.serve.test_faults import (
-    completion_body,
-    group_identity,
-    grpc_stream,
-    health,
-    http_stream,
-    stream_text,
-    wait_until,
+from tests.serve.test_faults import completion_body, greedy, group_identity, health, wait_until
+from tests.serve.test_local_target import (
+    PROMPTS,
+    check_a_drafter_kill_loses_no_request,
+    check_streams_equal_in_process,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(10):"]
-STREAM_TOKENS = 160  # long enough that the kill lands mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +53,6 @@ def reference(cluster: ServeCluster) -> LLM:
     return reference_llm(cluster)
 
 
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-async def _streams(cluster: ServeCluster, client: httpx.AsyncClient, stub: Any) -> list[asyncio.Task]:
-    """Every prompt streamed at once, HTTP and gRPC in turn."""
-    return [
-        asyncio.create_task(
-            http_stream(client, cluster.http_url, prompt, STREAM_TOKENS)
-            if i % 2 == 0
-            else grpc_stream(stub, prompt, STREAM_TOKENS)
-        )
-        for i, prompt in enumerate(PROMPTS)
-    ]
-
-
 def test_the_core_holds_the_targets_gpu_beside_the_drafter_and_the_replica_holds_none(
     cluster: ServeCluster,
 ) -> None:
@@ -94,32 +69,16 @@ def test_the_core_holds_the_targets_gpu_beside_the_drafter_and_the_replica_holds
 def test_http_and_grpc_streams_equal_the_in_process_engine_and_speculate(
     cluster: ServeCluster, reference: LLM
 ) -> None:
-    expected = [o.text for o in reference.generate(PROMPTS, _greedy(STREAM_TOKENS))]
+    check_streams_equal_in_process(cluster, reference)
 
-    async def run() -> tuple[list[Any], dict[str, Any], dict[str, Any], int]:
-        async with (
-            httpx.AsyncClient(timeout=300) as client,
-            grpc.aio.insecure_channel(cluster.grpc_target) as channel,
-        ):
-            results = await asyncio.gather(*await _streams(cluster, client, DDTreeServeStub(channel)))
-            response = await client.post(
-                f"{cluster.http_url}/v1/completions", json=completion_body(PROMPTS[0], 48)
-            )
-            assert response.status_code == 200, response.text
+    async def run() -> tuple[int, dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=300) as client:
             refused = await client.post(
                 f"{cluster.http_url}/v1/completions", json=completion_body("a " * 600, 8)
             )
-            return (
-                list(results),
-                response.json(),
-                (await health(client, cluster.http_url))[1],
-                refused.status_code,
-            )
+            return refused.status_code, (await health(client, cluster.http_url))[1]
 
-    results, single, stats, refused = asyncio.run(run())
-    assert [stream_text(r) if isinstance(r, list) else r for r in results] == expected
-    assert single["choices"][0]["text"] == reference.generate([PROMPTS[0]], _greedy(48))[0].text
-    assert single["usage"]["acceptance_length"] > 1.0  # the drafter in its actor does draft
+    refused, stats = asyncio.run(run())
     assert refused == 400  # past the core's max_seq_len (its figures, as the client read them)
     assert stats["engine_steps"] > 0 and stats["engine_step_seconds"] > 0.0
     assert stats["running"] == stats["waiting"] == stats["open_streams"] == 0
@@ -152,47 +111,7 @@ def test_a_stream_left_early_frees_its_slot_in_the_core(cluster: ServeCluster) -
 def test_killing_the_drafter_loses_no_request_and_the_group_stays_healthy(
     cluster: ServeCluster, reference: LLM
 ) -> None:
-    import ray
-
-    expected = [o.text for o in reference.generate(PROMPTS, _greedy(STREAM_TOKENS))]
-    drafter = group_identity(cluster)["drafter"]
-
-    async def run() -> tuple[list[Any], list[int], int]:
-        async with (
-            httpx.AsyncClient(timeout=300) as client,
-            grpc.aio.insecure_channel(cluster.grpc_target) as channel,
-        ):
-            streams = await _streams(cluster, client, DDTreeServeStub(channel))
-
-            async def all_running() -> bool:
-                return (await health(client, cluster.http_url))[1]["running"] == len(PROMPTS)
-
-            await wait_until(all_running)
-            losses_before = (await health(client, cluster.http_url))[1]["drafter_losses"]
-            ray.kill(drafter, no_restart=False)
-            statuses = []
-            while not all(stream.done() for stream in streams):
-                statuses.append((await health(client, cluster.http_url))[0])
-                await asyncio.sleep(0.1)
-            results = await asyncio.gather(*streams, return_exceptions=True)
-
-            async def speculating_again() -> bool:
-                """The core finds the restarted drafter at a step: one short request a try."""
-                response = await client.post(
-                    f"{cluster.http_url}/v1/completions", json=completion_body(PROMPTS[0], 4)
-                )
-                assert response.status_code == 200, response.text
-                return (await health(client, cluster.http_url))[1]["speculating"] == 1
-
-            await wait_until(speculating_again)
-            losses = (await health(client, cluster.http_url))[1]["drafter_losses"] - losses_before
-            return list(results), statuses, losses
-
-    results, statuses, losses = asyncio.run(run())
-    assert not [r for r in results if isinstance(r, BaseException)]
-    assert [stream_text(r) if isinstance(r, list) else r for r in results] == expected
-    assert set(statuses) == {200}  # a lost drafter never makes the group unhealthy
-    assert losses == 1
+    check_a_drafter_kill_loses_no_request(cluster, reference)
 
 
 def test_a_core_that_dies_ends_its_requests_retriable_and_serve_replaces_the_group(
@@ -228,7 +147,7 @@ def test_a_core_that_dies_ends_its_requests_retriable_and_serve_replaces_the_gro
     assert response.headers["retry-after"].isdigit()
     replacement = group_identity(cluster)
     assert replacement["target"] != group["target"] and replacement["drafter"] != group["drafter"]
-    want = reference.generate([PROMPTS[3]], _greedy(48))[0].text
+    want = reference.generate([PROMPTS[3]], greedy(48))[0].text
     ok = httpx.post(f"{url}/v1/completions", json=completion_body(PROMPTS[3], 48), timeout=120)
     assert ok.status_code == 200, ok.text
     assert ok.json()["choices"][0]["text"] == want

@@ -46,14 +46,21 @@ def core(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[EngineCoreClient, An
     client.shutdown(timeout_s=5.0)
 
 
+async def _opened(client: EngineCoreClient, end: Any, request_id: str) -> tuple[Any, Any]:
+    """A stream of a new request whose add the scripted core has read -> (the stream, its first
+    output to come)."""
+    stream = client.generate_stream([5, 6, 7], PARAMS, request_id=request_id)
+    first = asyncio.ensure_future(stream.__anext__())
+    kind, added_id, prompt, params = await asyncio.to_thread(recv_message, end)
+    assert (kind, added_id, prompt, params) == ("add", request_id, [5, 6, 7], PARAMS)
+    return stream, first
+
+
 def test_deltas_become_cumulative_outputs_and_each_step_reaches_telemetry_first(core: Any) -> None:
     client, end, records = core
 
     async def run() -> list[Any]:
-        stream = client.generate_stream([5, 6, 7], PARAMS, request_id="r1")
-        first = asyncio.ensure_future(stream.__anext__())
-        kind, request_id, prompt, params = await asyncio.to_thread(recv_message, end)
-        assert (kind, request_id, prompt, params) == ("add", "r1", [5, 6, 7], PARAMS)
+        stream, first = await _opened(client, end, "r1")
         send_message(end, ("added", "r1", None, 1))
         for _ in range(500):  # the ack's queue length reaches the view (the client's queue limit)
             if client.engine.num_waiting == 1:
@@ -87,9 +94,7 @@ def test_an_add_the_core_refused_raises_in_its_stream(core: Any) -> None:
     client, end, _ = core
 
     async def run() -> None:
-        stream = client.generate_stream([5], PARAMS, request_id="r2")
-        first = asyncio.ensure_future(stream.__anext__())
-        await asyncio.to_thread(recv_message, end)
+        _, first = await _opened(client, end, "r2")
         send_message(end, ("added", "r2", QueueFullError("request queue is full"), 0))
         await first
 
@@ -101,9 +106,7 @@ def test_a_core_that_died_ends_every_stream_with_a_target_loss(core: Any) -> Non
     client, end, _ = core
 
     async def run() -> None:
-        stream = client.generate_stream([5], PARAMS, request_id="r3")
-        first = asyncio.ensure_future(stream.__anext__())
-        await asyncio.to_thread(recv_message, end)
+        _, first = await _opened(client, end, "r3")
         send_message(end, ("added", "r3", None, 0))
         send_message(end, ("dead", "RuntimeError: CUDA error"))
         await first

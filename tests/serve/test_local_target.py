@@ -15,7 +15,6 @@ import httpx
 import pytest
 
 from ddtree_serve.engine.llm import LLM
-from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.protos import DDTreeServeStub
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import (
@@ -27,6 +26,7 @@ from tests.serve.conftest import (
 )
 from tests.serve.test_faults import (
     completion_body,
+    greedy,
     group_identity,
     grpc_stream,
     health,
@@ -61,10 +61,6 @@ def reference(cluster: ServeCluster) -> LLM:
     return reference_llm(cluster)
 
 
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
 async def _streams(cluster: ServeCluster, client: httpx.AsyncClient, stub: Any) -> list[asyncio.Task]:
     """Every prompt streamed at once, HTTP and gRPC in turn."""
     return [
@@ -90,7 +86,19 @@ def test_the_replica_holds_the_targets_gpu_and_only_the_drafter_is_an_actor(clus
 def test_http_and_grpc_streams_equal_the_in_process_engine_and_speculate(
     cluster: ServeCluster, reference: LLM
 ) -> None:
-    expected = [o.text for o in reference.generate(PROMPTS, _greedy(STREAM_TOKENS))]
+    check_streams_equal_in_process(cluster, reference)
+
+
+def test_killing_the_drafter_loses_no_request_and_the_group_stays_healthy(
+    cluster: ServeCluster, reference: LLM
+) -> None:
+    check_a_drafter_kill_loses_no_request(cluster, reference)
+
+
+def check_streams_equal_in_process(cluster: ServeCluster, reference: LLM) -> None:
+    """Every prompt streamed at once over HTTP and gRPC, and one completion, equal the in-process
+    engine's greedy text, and the drafter drafts (a group whose drafter is an actor)."""
+    expected = [o.text for o in reference.generate(PROMPTS, greedy(STREAM_TOKENS))]
 
     async def run() -> tuple[list[Any], dict[str, Any]]:
         async with (
@@ -106,16 +114,16 @@ def test_http_and_grpc_streams_equal_the_in_process_engine_and_speculate(
 
     results, single = asyncio.run(run())
     assert [stream_text(r) if isinstance(r, list) else r for r in results] == expected
-    assert single["choices"][0]["text"] == reference.generate([PROMPTS[0]], _greedy(48))[0].text
+    assert single["choices"][0]["text"] == reference.generate([PROMPTS[0]], greedy(48))[0].text
     assert single["usage"]["acceptance_length"] > 1.0  # the drafter in its actor does draft
 
 
-def test_killing_the_drafter_loses_no_request_and_the_group_stays_healthy(
-    cluster: ServeCluster, reference: LLM
-) -> None:
+def check_a_drafter_kill_loses_no_request(cluster: ServeCluster, reference: LLM) -> None:
+    """A drafter killed under every prompt's stream: each ends with the in-process text, health
+    stays 200 throughout, and the group speculates again once Ray restarted it (its first loss)."""
     import ray
 
-    expected = [o.text for o in reference.generate(PROMPTS, _greedy(STREAM_TOKENS))]
+    expected = [o.text for o in reference.generate(PROMPTS, greedy(STREAM_TOKENS))]
     drafter = group_identity(cluster)["drafter"]
 
     async def run() -> tuple[list[Any], list[int], int]:

@@ -285,15 +285,38 @@ def test_a_target_in_the_coordinator_never_waits_on_a_drafter_sending_a_large_dr
     graph.teardown()
 
 
-def test_a_serial_target_in_the_coordinator_has_sent_its_delivery_when_its_call_returns() -> None:
-    """Serial shape: the engine thread sends the features itself, so the drafter has them before
-    the next draft is asked for (no thread left to wait for the GIL)."""
+def _serial_end(run_call: Any) -> tuple[LocalTargetEnd, socket.socket, socket.socket]:
+    """A serial local target end connected to a drafter's socket here -> (end, the drafter's
+    side of the connection, past the hello, its listener)."""
     listener = socket.create_server(("127.0.0.1", 0))
     address = ChannelAddress("127.0.0.1", listener.getsockname()[1], b"t" * 32)
-    end = LocalTargetEnd(lambda call, deliver: ("verified", ContextDelivery((0,), "features")), overlap=False)
+    end = LocalTargetEnd(run_call, overlap=False)
     end.connect(address)
     drafter, _ = listener.accept()
     assert drafter.recv(33) == b"t" * 32 + TARGET
+    return end, drafter, listener
+
+
+def _run_calls(end: LocalTargetEnd, count: int) -> list[Any]:
+    """`count` target calls from an engine thread of their own: their outcomes, as many as came
+    back within 30 s (fewer: a call is held)."""
+    outcomes: list[Any] = []
+
+    def steps() -> None:
+        for call_id in range(count):
+            outcomes.append(end.run(call_id, TargetCall(call_id, (), "verify_and_commit", None)))
+
+    runner = threading.Thread(target=steps, daemon=True)
+    runner.start()
+    runner.join(timeout=30.0)
+    return outcomes
+
+
+def test_a_serial_target_in_the_coordinator_has_sent_its_delivery_when_its_call_returns() -> None:
+    """Serial shape: the engine thread sends a small delivery itself when none is queued, so the
+    drafter has it before the next draft is asked for (no hand-over to the sender thread)."""
+    features = ContextDelivery((0,), "features")
+    end, drafter, listener = _serial_end(lambda call, deliver: ("verified", features))
     assert end.run(7, TargetCall(0, (), "verify_and_commit", None)) == (True, "verified")
     readable, _, _ = select.select([drafter], [], [], 0.0)
     assert readable, "the delivery is still to be sent"
@@ -314,23 +337,10 @@ def test_a_serial_delivery_to_a_drafter_that_stopped_reading_gives_up_after_its_
     monkeypatch.setattr(step_sockets, "_DELIVERY_TIMEOUT_S", 0.3)
     if inline:  # the engine thread sends even this one itself
         monkeypatch.setattr(LocalTargetEnd, "INLINE_DELIVERY_BYTES", 1 << 40)
-    listener = socket.create_server(("127.0.0.1", 0))
-    address = ChannelAddress("127.0.0.1", listener.getsockname()[1], b"t" * 32)
     big = np.ones(64 << 20, np.uint8)  # more than both sockets' buffers
-    end = LocalTargetEnd(lambda call, deliver: ("verified", big if deliver else None), overlap=False)
-    end.connect(address)
-    drafter, _ = listener.accept()  # reads nothing until the end gave up
-    assert drafter.recv(33) == b"t" * 32 + TARGET
-    outcomes: list[Any] = []
-
-    def steps() -> None:
-        for call_id in range(2):
-            outcomes.append(end.run(call_id, TargetCall(call_id, (), "verify_and_commit", None)))
-
-    runner = threading.Thread(target=steps, daemon=True)
-    runner.start()
-    runner.join(timeout=30.0)
-    assert outcomes == [(True, "verified")] * 2, "the engine thread is held by the drafter"
+    end, drafter, listener = _serial_end(lambda call, deliver: ("verified", big if deliver else None))
+    # The drafter reads nothing until the end gave up.
+    assert _run_calls(end, 2) == [(True, "verified")] * 2, "the engine thread is held by the drafter"
     for _ in range(300):  # the sender thread's send times out on its own
         if not end.connected:
             break
@@ -347,23 +357,10 @@ def test_a_serial_delivery_to_a_drafter_that_stopped_reading_gives_up_after_its_
 def test_a_small_serial_delivery_waits_behind_a_large_one_the_sender_thread_holds() -> None:
     """A delivery above `INLINE_DELIVERY_BYTES` goes by the sender thread; a small one after it
     queues behind it rather than overtake it, and neither call waits for the drafter to read."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    address = ChannelAddress("127.0.0.1", listener.getsockname()[1], b"t" * 32)
     sizes = iter([64 << 20, 16])
-    end = LocalTargetEnd(lambda call, deliver: ("verified", np.ones(next(sizes), np.uint8)), overlap=False)
-    end.connect(address)
-    drafter, _ = listener.accept()
-    assert drafter.recv(33) == b"t" * 32 + TARGET
-    outcomes: list[Any] = []
-
-    def steps() -> None:  # the drafter reads nothing yet: the first fills both buffers
-        for call_id in range(2):
-            outcomes.append(end.run(call_id, TargetCall(call_id, (), "verify_and_commit", None)))
-
-    runner = threading.Thread(target=steps, daemon=True)
-    runner.start()
-    runner.join(timeout=30.0)
-    assert outcomes == [(True, "verified")] * 2, "a call waited for the drafter to read"
+    end, drafter, listener = _serial_end(lambda call, deliver: ("verified", np.ones(next(sizes), np.uint8)))
+    # The drafter reads nothing yet: the first fills both buffers.
+    assert _run_calls(end, 2) == [(True, "verified")] * 2, "a call waited for the drafter to read"
     received = [recv_message(drafter) for _ in range(2)]
     assert [(execution, ok, len(value)) for execution, ok, value in received] == [
         (0, True, 64 << 20),
