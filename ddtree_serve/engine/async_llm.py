@@ -251,9 +251,7 @@ class AsyncLLM:
                 logger.error("engine stopped: %s; failing every open request", error)
             elif not isinstance(error, EngineDeadError):
                 logger.exception("engine step failed; failing every open request")
-            self._fail_streams(
-                error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error), error)
-            )
+            self._fail_streams(_dead(error))
 
     def _fail_streams(self, error: EngineDeadError) -> None:
         """The engine has stopped: no stream opens again, and every open one ends with `error`."""

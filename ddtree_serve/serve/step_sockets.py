@@ -218,19 +218,17 @@ class _Listener:
     def __init__(self) -> None:
         host = ray.util.get_node_ip_address()
         tcp = socket.create_server((host, 0), backlog=4)
-        unix_name = f"\0ddtree-step-{secrets.token_hex(12)}"
+        unix_name: str | None = f"\0ddtree-step-{secrets.token_hex(12)}"
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             unix.bind(unix_name)
             unix.listen(4)
         except OSError:  # no abstract namespace here: TCP only
             unix.close()
-            self.sockets: tuple[socket.socket, ...] = (tcp,)
-            self.address = ChannelAddress(host, tcp.getsockname()[1], secrets.token_bytes(_TOKEN_BYTES))
-        else:
-            self.sockets = (tcp, unix)
-            token = secrets.token_bytes(_TOKEN_BYTES)
-            self.address = ChannelAddress(host, tcp.getsockname()[1], token, unix_name)
+            unix_name = None
+        self.sockets: tuple[socket.socket, ...] = (tcp,) if unix_name is None else (tcp, unix)
+        token = secrets.token_bytes(_TOKEN_BYTES)
+        self.address = ChannelAddress(host, tcp.getsockname()[1], token, unix_name)
 
     def accept_any(self) -> tuple[socket.socket, bytes] | None:
         """Wait for the next peer on either socket: `accept`'s answer."""
