@@ -24,7 +24,9 @@ the ratio is what serving costs there, not a property of the algorithm.
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import shutil
 import statistics
 import tempfile
@@ -74,6 +76,7 @@ class LevelResult:
     wall_s: float
     engine_steps: int  # steps the path's engine ran during the level
     engine_step_s: float  # their wall time, in the engine's thread
+    client_cpu_s: float  # CPU time of the load generator's processes (in process: the engine's too)
 
     @property
     def engine_ms_per_step(self) -> float:
@@ -83,6 +86,11 @@ class LevelResult:
     def engine_busy(self) -> float:
         """Share of the level's wall time the engine spent in steps."""
         return self.engine_step_s / self.wall_s
+
+    @property
+    def client_cpu(self) -> float:
+        """Cores the load generator kept busy: near its process count, it is the bottleneck."""
+        return self.client_cpu_s / self.wall_s
 
     @property
     def throughput(self) -> float:
@@ -98,7 +106,7 @@ class LevelResult:
             f"| {self.path:<44} | {self.concurrency:>3} | {len(self.timings):>4} "
             f"| {p50:8.1f} | {p99:8.1f} | {tpot:7.2f} | {tpot_p99:7.2f} "
             f"| {self.throughput:8.1f} | {ratio:>5} | {self.engine_steps:>5} "
-            f"| {self.engine_ms_per_step:7.2f} | {self.engine_busy:4.2f} |"
+            f"| {self.engine_ms_per_step:7.2f} | {self.engine_busy:4.2f} | {self.client_cpu:6.2f} |"
         )
 
 
@@ -126,20 +134,106 @@ def local_steps(llm: AsyncLLM) -> StepCounter:
     return read
 
 
+def prompt_list(first: int, count: int) -> list[str]:
+    """Requests `first` .. `first + count - 1` of a level: each prompt distinct."""
+    return [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(first, first + count)]
+
+
 async def closed_loop(
-    request: TimedRequest, concurrency: int, num_requests: int
+    request: TimedRequest, concurrency: int, prompts: list[str]
 ) -> tuple[list[RequestTiming], float]:
     """`concurrency` clients, each sending its next request when the previous one ends."""
-    prompts = iter(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(num_requests))
+    remaining = iter(prompts)
     timings: list[RequestTiming] = []
 
     async def client() -> None:
-        for prompt in prompts:
+        for prompt in remaining:
             timings.append(await request(prompt))
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return timings, time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class ServedTarget:
+    """Where a load-generator process sends one path's requests (picklable)."""
+
+    protocol: str  # "http" or "grpc"
+    address: str  # the HTTP base URL, or the gRPC host:port
+    app_name: str
+    max_tokens: int
+
+
+_worker_loop: asyncio.AbstractEventLoop | None = None
+_worker_requests: dict[ServedTarget, TimedRequest] = {}
+
+
+def _worker_request(target: ServedTarget) -> TimedRequest:
+    """This process's request function for `target`, its client made once on the process's loop."""
+    if target not in _worker_requests:
+        if target.protocol == "http":
+            limits = httpx.Limits(max_connections=256)
+            client = httpx.AsyncClient(timeout=600, limits=limits)
+            _worker_requests[target] = http_request(client, target.address, target.max_tokens)
+        else:
+            from ddtree_serve.serve.protos import DDTreeServeStub
+
+            stub = DDTreeServeStub(grpc.aio.insecure_channel(target.address))
+            _worker_requests[target] = grpc_request(stub, target.max_tokens, target.app_name)
+    return _worker_requests[target]
+
+
+def _worker_closed_loop(
+    target: ServedTarget, concurrency: int, prompts: list[str]
+) -> tuple[list[RequestTiming], float]:
+    """One load-generator process's share of a level: its timings and the CPU seconds it spent."""
+    global _worker_loop
+    if _worker_loop is None:  # one loop for the process's life: its clients stay bound to it
+        _worker_loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(_worker_loop)
+
+    async def share() -> list[RequestTiming]:
+        timings, _ = await closed_loop(_worker_request(target), concurrency, prompts)
+        return timings
+
+    cpu_before = time.process_time()
+    timings = _worker_loop.run_until_complete(share())
+    return timings, time.process_time() - cpu_before
+
+
+class ClientProcesses:
+    """The served paths' load spread over `count` processes, so that at high concurrency the
+    generator's own HTTP and gRPC work (one Python process parsing thousands of chunks a
+    second) does not cap what the server is measured to do; the in-process engine's load stays
+    in this process, beside its engine."""
+
+    def __init__(self, count: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pool = concurrent.futures.ProcessPoolExecutor(count, mp_context=context)
+        self.count = count
+
+    async def closed_loop(
+        self, target: ServedTarget, concurrency: int, prompts: list[str]
+    ) -> tuple[list[RequestTiming], float, float]:
+        """The level's timings, wall seconds and the processes' CPU seconds."""
+        loop = asyncio.get_running_loop()
+        shares = [concurrency // self.count + (i < concurrency % self.count) for i in range(self.count)]
+        start = time.perf_counter()
+        futures, clients_before = [], 0
+        for share in filter(None, shares):
+            first = len(prompts) * clients_before // concurrency
+            clients_before += share
+            last = len(prompts) * clients_before // concurrency
+            futures.append(
+                loop.run_in_executor(self._pool, _worker_closed_loop, target, share, prompts[first:last])
+            )
+        results = await asyncio.gather(*futures)
+        wall_s = time.perf_counter() - start
+        return [t for timings, _ in results for t in timings], wall_s, sum(cpu for _, cpu in results)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
 
 
 async def _timed(chunks: AsyncIterator[int]) -> RequestTiming:
@@ -213,6 +307,7 @@ async def run_all(
     from ddtree_serve.serve.protos import DDTreeServeStub
 
     llm = AsyncLLM(build_local_engine(engine_config))
+    pool = ClientProcesses(args.client_processes) if args.client_processes > 1 else None
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
     sweeps: dict[tuple[str, int], list[LevelResult]] = {}
     order = ["in-process"]
@@ -222,36 +317,53 @@ async def run_all(
             grpc.aio.insecure_channel(f"127.0.0.1:{configs[0].grpc.port}") as channel,
         ):
             local = engine_request(llm, args.max_tokens)
-            await closed_loop(local, 1, 2)  # warm-up: first-call costs out of the figures
+            await closed_loop(local, 1, prompt_list(0, 2))  # warm-up: first-call costs out of the figures
             for _ in range(args.repeats):
                 for config in configs:
                     await asyncio.to_thread(deploy, config)
                     url = f"http://127.0.0.1:{config.http.port}/{config.app_name}"
+                    grpc_address = f"127.0.0.1:{config.grpc.port}"
                     direct_channel = None
                     if args.direct_ingress:  # the ingress replica's own servers, not the proxy
                         direct = await asyncio.to_thread(direct_ingress_ports, config.app_name)
                         if set(direct) != {"http", "grpc"}:
                             raise RuntimeError("no direct ingress: run with --serve-throughput-optimized")
                         url = f"http://127.0.0.1:{direct['http']}/{config.app_name}"
-                        direct_channel = grpc.aio.insecure_channel(f"127.0.0.1:{direct['grpc']}")
+                        grpc_address = f"127.0.0.1:{direct['grpc']}"
+                        direct_channel = grpc.aio.insecure_channel(grpc_address)
                     stub = DDTreeServeStub(direct_channel or channel)
                     served = served_steps(client, url)
-                    paths = {
-                        f"http {config.app_name}": (http_request(client, url, args.max_tokens), served),
+                    paths: dict[str, tuple[TimedRequest, StepCounter, ServedTarget | None]] = {
+                        f"http {config.app_name}": (
+                            http_request(client, url, args.max_tokens),
+                            served,
+                            ServedTarget("http", url, config.app_name, args.max_tokens),
+                        ),
                         f"grpc {config.app_name}": (
                             grpc_request(stub, args.max_tokens, config.app_name),
                             served,
+                            ServedTarget("grpc", grpc_address, config.app_name, args.max_tokens),
                         ),
                     }
                     order += [path for path in paths if path not in order]
-                    for request, _ in paths.values():
-                        await closed_loop(request, 1, 2)
-                    paths["in-process"] = (local, local_steps(llm))
+                    for request, _, target in paths.values():
+                        await closed_loop(request, 1, prompt_list(0, 2))
+                        if pool is not None and target is not None:  # each process's client made
+                            await pool.closed_loop(target, pool.count, prompt_list(0, 2 * pool.count))
+                    paths["in-process"] = (local, local_steps(llm), None)
                     for concurrency in args.concurrency:
                         num_requests = max(args.min_requests, args.requests_per_client * concurrency)
-                        for path, (request, steps) in paths.items():
+                        prompts = prompt_list(0, num_requests)
+                        for path, (request, steps, target) in paths.items():
                             steps_before, seconds_before = await steps()
-                            timings, wall_s = await closed_loop(request, concurrency, num_requests)
+                            if pool is not None and target is not None:
+                                timings, wall_s, client_cpu_s = await pool.closed_loop(
+                                    target, concurrency, prompts
+                                )
+                            else:
+                                cpu_before = time.process_time()
+                                timings, wall_s = await closed_loop(request, concurrency, prompts)
+                                client_cpu_s = time.process_time() - cpu_before
                             steps_after, seconds_after = await steps()
                             result = LevelResult(
                                 path,
@@ -260,6 +372,7 @@ async def run_all(
                                 wall_s,
                                 steps_after - steps_before,
                                 seconds_after - seconds_before,
+                                client_cpu_s,
                             )
                             sweeps.setdefault((path, concurrency), []).append(result)
                     if direct_channel is not None:
@@ -267,6 +380,8 @@ async def run_all(
                     await asyncio.to_thread(undeploy, config)
     finally:
         llm.shutdown()
+        if pool is not None:
+            pool.shutdown()
     medians = [sorted(runs, key=lambda r: r.throughput)[len(runs) // 2] for runs in sweeps.values()]
     return sorted(medians, key=lambda r: (order.index(r.path), r.concurrency))
 
@@ -398,6 +513,13 @@ def main() -> None:
         default=[0.0],
         help="stream_batching_interval_ms values to compare (default: 0, a chunk per step).",
     )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="Load-generator processes for the served paths (default: 1, this one); the "
+        "in-process engine's load always runs in this process.",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -459,16 +581,18 @@ def main() -> None:
     print(f"workers={' '.join(args.workers)} threads={args.threads}\n")
     print(
         f"| {'path':<44} |   c | reqs | TTFT p50 | TTFT p99 | TPOT ms | TPOT p99 |    tok/s | ratio "
-        "| steps | ms/step | busy |"
+        "| steps | ms/step | busy | client |"
     )
-    widths = [46, 5, 6, 10, 10, 9, 9, 10, 7, 7, 9, 6]
+    widths = [46, 5, 6, 10, 10, 9, 9, 10, 7, 7, 9, 6, 8]
     print("|" + "|".join("-" * width for width in widths) + "|")
     for result in results:
         print(result.row(None if result.path == "in-process" else baseline[result.concurrency]))
     print(f"\ndevice={args.device} dtype={args.dtype}; TTFT in ms;", end=" ")
     print("TPOT = ms per output token after the first chunk (median and p99);")
     print("ratio = tok/s / in-process tok/s at the same concurrency; steps, ms/step: the engine's steps")
-    print("in the level and their mean wall time in its thread; busy: their share of the level's time.")
+    print("in the level and their mean wall time in its thread; busy: their share of the level's time;")
+    print(f"client: cores the load generator used ({args.client_processes} process(es) for the served paths;")
+    print("in process it includes the engine's own).")
 
 
 if __name__ == "__main__":
