@@ -157,6 +157,7 @@ class SpecEngine:
         self._carried: _CarriedDraft | None = None
         # The adaptive step's requests, their keepable depths and caps (`_adaptive_inputs_of`).
         self._adaptive_inputs: tuple[list[Request], list[int], list[int]] | None = None
+        self._cruise_step: _CruiseStep | None = None  # this step's, when the policy cruises
 
     @property
     def graph_shapes(self) -> VerifyGraphShapes | None:
@@ -255,6 +256,7 @@ class SpecEngine:
         """Advance every running request by one verify step; return their new outputs (less the
         prefills' first tokens when `on_first_tokens` took them already)."""
         self._adaptive_inputs = None  # worked out again for this step's requests
+        self._cruise_step = None
         with self.timer.stage(Stage.SCHEDULE):
             scheduled = self.scheduler.schedule()
         if scheduled.prefills:
@@ -279,7 +281,7 @@ class SpecEngine:
             with self.timer.stage(Stage.APPEND):
                 self._append(running, trees, verdict)
         outputs = self._postprocess(scheduled)
-        if running and self.budget_policy is not None:
+        if running and self.budget_policy is not None and self._cruise_step is None:
             self.budget_policy.record_step_ms(1000.0 * (time.perf_counter() - started))
         return outputs
 
@@ -323,7 +325,9 @@ class SpecEngine:
         if self.drafter is None or not self._drafter_ready(self.drafter, requests):
             return running, None
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
-        if self.budget_policy is not None:
+        if self.budget_policy is not None and (width := self._cruise_width(requests)) is not None:
+            top_k = min(top_k, width)
+        elif self.budget_policy is not None:
             ceiling = self.budget_policy.plan(self._adaptive_inputs_of(requests)[1])
             if ceiling == 0:
                 return running, None
@@ -346,8 +350,11 @@ class SpecEngine:
             draft = self.drafter.draft(draft_input)
         except DrafterUnavailableError as error:
             self._lose_drafter(error)
+            if self._cruise_step is not None:  # the step is a plain one now, recorded as such
+                self.budget_policy.end_cruise()  # type: ignore[union-attr]
+                self._cruise_step = None
             return running, None
-        if self.budget_policy is not None:
+        if self.budget_policy is not None and self._cruise_step is None:
             if draft.logp.is_cuda:
                 # The last step's lesson while the drafter's kernels run: the copy below waits
                 # for them (on the H200 at batch 1 half a millisecond), and the verify, launch-
@@ -499,6 +506,8 @@ class SpecEngine:
         With the adaptive policy each host tree, built at the step's ceiling, is cut to the
         best-first prefix the policy allocates (a prefix of a best-first tree is itself a DDTree).
         """
+        if self._cruise_step is not None and draft is not None:
+            return self._build_cruising(requests, draft, self._cruise_step)
         if self.budget_policy is not None and draft is not None:
             return self._build_allocated(requests, draft, self.budget_policy)
         return self.tree_builder.build(
@@ -549,6 +558,42 @@ class SpecEngine:
         batch = BuiltTrees(trees.verify_batch(n_max=padded), trees.num_nodes.tolist(), trees)
         policy.record_build_ms(1000.0 * (time.perf_counter() - started))
         return batch
+
+    def _cruise_width(self, requests: list[Request]) -> int | None:
+        """The width of this step's cruise (`AdaptiveBudget.cruise_width`), None: it plans. A
+        request that can keep no draft token ends the cruise (its cap is 0: the weighing's case)."""
+        policy = self.budget_policy
+        if policy is None or not policy.cruising:
+            return None
+        keepable = self._keepable_depths(requests)
+        cap = max(r.tree_budget for r in requests)
+        width = policy.cruise_width(len(requests), cap)
+        if width is not None and min(keepable) <= 0:
+            policy.end_cruise()
+            width = None
+        self._cruise_step = None if width is None else _CruiseStep(width, keepable, cap)
+        return width
+
+    def _build_cruising(
+        self, requests: list[Request], draft: DraftOutput, cruise: "_CruiseStep"
+    ) -> BuiltTrees:
+        """A cruising step's trees: each request's best-first tree of at most the cruise's
+        width, less the nodes deeper than it can keep, padded as the settled step's were (its
+        verify graph is the ceiling's)."""
+        policy = self.budget_policy
+        assert policy is not None
+        width = cruise.width
+        captured = None
+        if self.graph_shapes is not None:
+            max_start = max(r.num_cached_tokens for r in requests)
+            ceiling_cap = min(cruise.cap, policy.ceiling)
+            captured = self.graph_shapes.allowed_buckets(len(requests), max_start, ceiling_cap)
+            width = min(width, captured[-1] - 1)
+        budgets = [min(r.tree_budget, width) for r in requests]
+        built = build_host_tree_batch(draft.logp, draft.ids, budgets, [_bonus(r) for r in requests])
+        trees = built.within_depth(cruise.keepable)
+        padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)
+        return BuiltTrees(trees.verify_batch(n_max=padded), trees.num_nodes.tolist(), trees)
 
     def _fixed_top_k(self) -> int:
         """K of the drafts that are joined across calls (overlap, chained): one shape for all."""
@@ -619,7 +664,9 @@ class SpecEngine:
         accept_tokens = verdict.accept_tokens.tolist()
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
-        if self.budget_policy is not None and trees.host is not None:
+        if self._cruise_step is not None and trees.host is not None:
+            self.budget_policy.cruised(trees.host, accept_len)  # type: ignore[union-attr]
+        elif self.budget_policy is not None and trees.host is not None:
             accepted: list[list[int]] = [[] for _ in accept_len]  # a plain step's (every one empty)
             if any(accept_len):
                 accept_index = verdict.accept_index.tolist()
@@ -728,6 +775,15 @@ class _CarriedDraft:
 
     requests: list[Request]
     pending: Pending[DraftOutput | None]
+
+
+@dataclass(frozen=True)
+class _CruiseStep:
+    """A cruising step's width, its requests' keepable depths and their widest cap."""
+
+    width: int
+    keepable: list[int]
+    cap: int
 
 
 class _Raising:

@@ -1,5 +1,6 @@
 """The allocator, the draft gate and the policy on hand-built candidates and fake cost curves."""
 
+import copy
 import itertools
 import math
 from collections import Counter
@@ -567,6 +568,54 @@ def test_a_settled_streak_keeps_its_trees_whole_without_weighing_widths(monkeypa
         assert record["expected"] == pytest.approx(record["calibrated_sum"])
     assert all(r["weighed"] for r in records if not r["settled"])
     assert not any(r["settled"] for r in records[:EARLY_CALIBRATIONS])
+
+
+def finish_step(policy: AdaptiveBudget, ceiling: int, seed: int) -> None:
+    """The rest of a planned drafted step of one request at cap 8 (`run_streak`'s timings)."""
+    tree = TreeBatch.from_trees([build_ddtree(*random_draft(seed, depth=6, k=8), 8, root_token=7)])
+    policy.record_draft_ms(1.0)
+    allocation = policy.choose(tree.prefix([ceiling]), [8])
+    policy.record_verify_ms(4.0)
+    policy.observe(tree.prefix(allocation.num_nodes), [[1]])
+    policy.record_step_ms(5.0)
+
+
+def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkeypatch):
+    """Where node lessons are dear (share 0), a settled step arms a cruise. Cruising through it
+    (no `plan`, each step `cruised`) reaches the gate's next decision at the same step, with the
+    same choice and probe count, as asking `plan` at every step, whether the probe or the
+    recheck ends the streak; a cruising step's record is a drafted one at the settled width."""
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
+    run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 4, cost_per_node=0.0)
+    cruise_lengths = []
+    for seed in range(200):
+        if len(cruise_lengths) == 6:
+            break
+        if not policy.cruising:
+            finish_step(policy, policy.plan([8]), seed)
+            continue
+        asking, cruising = copy.deepcopy(policy), copy.deepcopy(policy)
+        held_steps = 0
+        while held_steps < 50:
+            ceiling = asking.plan([8])
+            if not asking.gate.kept:
+                break
+            held_steps += 1
+            finish_step(asking, ceiling, seed + held_steps)
+        cruised_steps = 0
+        while (width := cruising.cruise_width(1, 8)) is not None:
+            cruised_steps += 1
+            draft = random_draft(seed + cruised_steps, depth=6, k=8)
+            record = cruising.cruised(TreeBatch.from_trees([build_ddtree(*draft, width, root_token=7)]), [1])
+            assert record.drafted and record.num_nodes == (width,) and record.accepted == 1
+            assert record.predicted_accepted > 0.0
+        assert cruised_steps == held_steps >= 1
+        assert cruising.plan([8]) == ceiling and not cruising.gate.kept
+        assert cruising.gate.steps_since_probe == asking.gate.steps_since_probe
+        cruise_lengths.append(cruised_steps)
+        policy = cruising
+        finish_step(policy, ceiling, seed)
+    assert len(cruise_lengths) == 6 and len(set(cruise_lengths)) > 1
 
 
 def test_a_settled_steps_forecast_is_worked_out_when_read_with_the_map_it_was_chosen_with(monkeypatch):

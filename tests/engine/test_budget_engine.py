@@ -145,6 +145,56 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
         assert top_k == width and max(step.num_nodes) <= width
 
 
+def test_a_cruising_step_drafts_builds_and_records_at_its_width(make_pair_config, prompt_ids, cost_files):
+    """Where node lessons are dear (a share of 0), a settled step arms a cruise: the steps its
+    streak keeps run without planning, ask the drafter for the settled width's ranks, verify
+    trees no wider, and still leave a drafted step's record; the output stays plain
+    decoding's."""
+    max_tokens = 64
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["gentle"]}))
+    steer_by_the_file(engine)
+    policy, drafter = engine.budget_policy, engine.drafter
+    policy.lesson_share = 0.0
+    policy.cost.ema_weight = 0.0  # the file's prices hold: this machine's timings end no streak
+    plans, top_ks = [], []
+    plan, draft = policy.plan, drafter.draft
+
+    def recording_plan(caps):
+        plans.append(len(top_ks))
+        return plan(caps)
+
+    def recording_draft(inputs):
+        top_ks.append(inputs.top_k)
+        return draft(inputs)
+
+    policy.plan, drafter.draft = recording_plan, recording_draft
+    plain = build_local_engine(make_pair_config(mode="ar", max_num_seqs=3))
+    for each in (engine, plain):
+        for i, prompt in enumerate(prompt_ids):
+            each.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    outputs: dict[str, list[int]] = {}
+    cruised: list[tuple[int, int, BudgetStep]] = []  # (width, top-K, record)
+    while engine.has_unfinished_requests():
+        before = policy.last_step
+        drafts = len(top_ks)
+        outputs.update({out.request_id: list(out.token_ids) for out in engine.step() if out.finished})
+        cruise = engine._cruise_step
+        if cruise is not None:
+            assert drafts not in plans and len(top_ks) == drafts + 1  # drafted without planning
+            assert policy.last_step is not before
+            cruised.append((cruise.width, top_ks[-1], policy.last_step))
+    expected = {}
+    while plain.has_unfinished_requests():
+        expected.update({out.request_id: list(out.token_ids) for out in plain.step() if out.finished})
+    assert outputs == expected
+    assert len(cruised) >= 5
+    for width, top_k, record in cruised:
+        assert record.drafted and top_k == width and max(record.num_nodes) <= width
+        assert len(record.predicted_per_request) == len(record.num_nodes)
+    assert sum(record.accepted for _, _, record in cruised) > 0
+
+
 @pytest.mark.parametrize("cost", list(COSTS))
 def test_greedy_adaptive_equals_plain_decoding_real_drafter(
     make_pair_config, greedy_references, prompt_ids, cost_files, cost

@@ -254,6 +254,27 @@ class DraftGate:
         self._streak_prices = (plain_ms, draft_ms)
         return chosen
 
+    def steps_held_ahead(self) -> int:
+        """Steps after this one that keep the drafting streak's choice without deciding, as
+        long as its prices stand still (the cost curve learns nothing meanwhile) and the batch
+        stays in its bucket: until its recheck or its probe is due (0 unless this step kept a
+        drafting choice)."""
+        if not self.kept or self._streak is None:
+            return 0
+        return max(
+            0,
+            min(
+                self.drafted_probe_interval - self.steps_since_probe,
+                DRAFTED_RECHECK_STEPS - self._streak_age,
+            ),
+        )
+
+    def hold_unchecked(self) -> None:
+        """A step that kept the streak's choice without asking (`steps_held_ahead`): it counts
+        toward the recheck and the probe as a held step does."""
+        self.steps_since_probe += 1
+        self._streak_age += 1
+
     def plain_probe_interval(self, batch_size: int) -> int:
         """Plain steps between probes at this batch size's bucket (see `plain_probe_intervals`),
         at least what keeps its probes' measured cost within `PROBE_SHARE` of the plain steps."""

@@ -21,6 +21,10 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
 The trees verified are best-first prefixes of the ones built (`TreeBatch.prefix`), so the
 choice reads drafter outputs only and verification stays lossless.
 
+A cruising step (armed by a settled step where node lessons are dear) replaces all of these
+with two calls: `cruise_width(batch, cap)` before drafting (None: plan instead), `cruised(trees,
+accepted)` after the verify; it drafts and builds at the settled width like a fixed budget.
+
 Deciding time. A step's `plan` and `choose` time is the policy deciding, and the steps that
 decide pay most of it: a drafting streak's later steps (`settled`) a few hundredths of a
 millisecond, a decision or a probe of a neighbouring ceiling a few tenths (0.5 ms on this CPU's
@@ -55,6 +59,7 @@ from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
 from ddtree_serve.engine.budget.draft_gate import DraftGate
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
+from ddtree_serve.engine.budget.step_residual import batch_bucket
 from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
 from ddtree_serve.tree import TreeBatch
 
@@ -199,6 +204,8 @@ class AdaptiveBudget:
         self._deciding_ms = 0.0
         self._choose_ms = 0.0
         self._mean_deciding_ms = {False: 0.0, True: 0.0}  # plain, drafted (module docstring)
+        self._cap_bucket = 0  # the power of two at or above the last `plan`'s widest cap
+        self._cruise: _Cruise | None = None  # the steps a settled streak runs unasked (`cruise_width`)
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
@@ -209,6 +216,8 @@ class AdaptiveBudget:
         return ceiling
 
     def _plan(self, caps: Sequence[int]) -> int:
+        self._cruise = None
+        self._cap_bucket = batch_bucket(max(caps, default=0))
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         self._catching_up = self._graph_capped = False
         if (
@@ -259,6 +268,56 @@ class AdaptiveBudget:
         H200 at batch 64 the build at ceiling 16 for 9-12 kept nodes cost 0.6 ms a step more
         than fixed-8's)."""
         return self._weighed[1] if self.settled and self._weighed is not None else None
+
+    def cruise_width(self, batch_size: int, cap: int) -> int | None:
+        """The draft nodes per tree of a step that cruises (None: this step plans).
+
+        A settled step whose lessons are not cheap (`LESSON_SHARE`) arms a cruise for the steps
+        its streak keeps without deciding (`DraftGate.steps_held_ahead`): they draft and build
+        at its width, verify, and report a `BudgetStep` (`cruised`), with no `plan`, `choose`,
+        lesson or step-time lesson. On the fake-device replay of the H200's costs at batch 64 a
+        settled step spent 0.48 ms over fixed-16's 6.5 ms, 0.29 of it in those calls. A batch
+        that leaves the streak's bucket, or a widest cap in another power of two, ends it (the
+        gate would decide there); so do the engine's own conditions (a request that can keep no
+        draft token, a lost drafter: `end_cruise`)."""
+        cruise = self._cruise
+        if cruise is None:
+            return None
+        if (
+            cruise.steps_left <= 0
+            or batch_bucket(batch_size) != cruise.batch_bucket
+            or batch_bucket(cap) != cruise.cap_bucket
+        ):
+            self._cruise = None
+            return None
+        return cruise.width
+
+    @property
+    def cruising(self) -> bool:
+        """A cruise is armed: the engine asks `cruise_width` before planning."""
+        return self._cruise is not None
+
+    def end_cruise(self) -> None:
+        """No more cruising steps: the next step plans."""
+        self._cruise = None
+
+    def cruised(self, trees: TreeBatch, accepted: Sequence[int]) -> BudgetStep:
+        """Ends a cruising step (`cruise_width`): its verified trees and each one's accepted
+        draft token count; its record (forecast worked out when read) is `last_step`."""
+        cruise = self._cruise
+        assert cruise is not None, "cruised without a cruise_width"
+        cruise.steps_left -= 1
+        self.gate.hold_unchecked()
+        num_nodes = trees.num_nodes - 1
+        logws = trees.logws[:, 1 : 1 + int(num_nodes.max(initial=0))]
+        self.last_step = BudgetStep(
+            drafted=True,
+            num_nodes=tuple(num_nodes.tolist()),
+            forecast=functools.partial(_forecast, logws, num_nodes, self.calibrator.frozen()),
+            accepted_per_request=tuple(accepted),
+            ceiling=cruise.ceiling,
+        )
+        return self.last_step
 
     @property
     def probing(self) -> bool:
@@ -460,6 +519,12 @@ class AdaptiveBudget:
                 probe=self.probing,
             )
         )
+        if self.settled and drafted and self._weighed is not None and not self._lessons_are_cheap():
+            ahead = self.gate.steps_held_ahead()
+            if ahead > 0:
+                self._cruise = _Cruise(
+                    self._ceiling, self._weighed[1], batch_bucket(batch_size), self._cap_bucket, ahead
+                )
         self._priced_ms = None
         if not self._catching_up:
             self._priced_ms = sum(ms for ms in (self._draft_ms, self._build_ms, self._verify_ms) if ms)
@@ -572,6 +637,17 @@ def _forecast(
 def _ema_from_first(mean: float, sample: float) -> float:
     """`LESSON_WEIGHT`'s EMA of milliseconds, its first sample taken whole (0: none yet)."""
     return mean + LESSON_WEIGHT * (sample - mean) if mean else sample
+
+
+@dataclass
+class _Cruise:
+    """A settled streak's steps run without deciding (`AdaptiveBudget.cruise_width`)."""
+
+    ceiling: int
+    width: int  # draft nodes per tree, the streak's last weighing's
+    batch_bucket: int  # the batch and widest-cap buckets the streak holds in
+    cap_bucket: int
+    steps_left: int
 
 
 @dataclass(frozen=True)
