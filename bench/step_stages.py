@@ -43,7 +43,7 @@ from ddtree_serve.models import load_tokenizer
 from ddtree_serve.tree import TreeBatch
 
 ENGINE_STAGES = ("_prefill", "_serial_draft", "_build", "_verify", "_append", "_postprocess")
-POLICY_CALLS = ("plan", "choose", "learn", "observe", "record_step_ms")
+POLICY_CALLS = ("plan", "choose", "learn", "observe", "record_step_ms", "cruise_width", "cruised")
 
 
 class StageClock:
@@ -147,7 +147,8 @@ def step_kind(engine: SpecEngine, stages: dict[str, float], calibrations_before:
     """What a step was, for grouping: "prefill" when it cached prompts; for the adaptive engine
     "plain", "probe" (after plain steps), "neighbour" (a probe of the choice's neighbours),
     "decided" (the gate decided anew), "refresh" (the calibrator refit), "settled" (a streak's
-    step that kept its trees whole unweighed) or "streak", each drafted kind with its ceiling
+    step that kept its trees whole unweighed), "cruise" (one its settled step let run without
+    deciding) or "streak", each drafted kind with its ceiling
     ("streak@16"); a fixed engine's other steps are "drafted"."""
     if stages.get("_prefill", 0.0) > 0.0:
         return "prefill"
@@ -157,6 +158,8 @@ def step_kind(engine: SpecEngine, stages: dict[str, float], calibrations_before:
     step, gate = policy.last_step, policy.gate
     if step is None or not step.drafted:
         return "plain"
+    if engine._cruise_step is not None:  # a settled streak's step run without deciding
+        return f"cruise@{step.ceiling}"
     if gate.probing:
         kind = "probe"
     elif gate.probing_neighbour:
