@@ -350,9 +350,7 @@ class SpecEngine:
             draft = self.drafter.draft(draft_input)
         except DrafterUnavailableError as error:
             self._lose_drafter(error)
-            if self._cruise_step is not None:  # the step is a plain one now, recorded as such
-                self.budget_policy.end_cruise()  # type: ignore[union-attr]
-                self._cruise_step = None
+            self._cruise_step = None  # the step is a plain one now, recorded as such
             return running, None
         if self.budget_policy is not None and self._cruise_step is None:
             if draft.logp.is_cuda:
@@ -498,6 +496,8 @@ class SpecEngine:
         """Decode plainly from now on, until the drafter is available again."""
         self._drafter_in_sync = False
         self.num_drafter_losses += 1
+        if self.budget_policy is not None:  # its streak's steps are no longer the ones it settled
+            self.budget_policy.end_cruise()
         logger.warning("drafter lost (%s): decoding without drafts until it is back", error)
 
     def _build(self, requests: list[Request], draft: DraftOutput | None) -> BuiltTrees:

@@ -18,6 +18,7 @@ from ddtree_serve.engine.budget import BudgetStep, BuildCost
 from ddtree_serve.engine.budget.policy import LEARNING_STEPS
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import StepResidual
+from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
 from ddtree_serve.engine.interfaces import TargetUnavailableError
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
@@ -25,6 +26,7 @@ from ddtree_serve.engine.spec_engine import PROBE_REQUESTS, SpecEngine
 from ddtree_serve.models import bundled_target_dir, load_tokenizer
 from tests.engine.conftest import REFERENCE_TOKENS, bundled_pair_present
 from tests.engine.fakes import RecordingTarget
+from tests.engine.test_drafter_fallback import FlakyDrafter
 from tests.engine.test_positions import CheckingDrafter, check_after_step
 from tests.engine.test_sampling import NUM_TOKENS, chi_square, chi_square_pvalue, exact_prefix_distribution
 
@@ -193,6 +195,42 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(make_pair_config
         assert record.drafted and top_k == width and max(record.num_nodes) <= width
         assert len(record.predicted_per_request) == len(record.num_nodes)
     assert sum(record.accepted for _, _, record in cruised) > 0
+
+
+def test_a_drafter_lost_during_a_cruise_ends_it(make_pair_config, prompt_ids, cost_files):
+    """A drafter lost on a cruising step's draft ends the cruise: that step decodes plainly, and
+    the first drafted step after the drafter is back plans anew (its streak is not the one it
+    settled); the output stays plain decoding's. The run is deterministic here (the file's
+    prices, no lesson cheap), so a first run finds the draft call to fail."""
+    max_tokens = 48
+
+    def run(die_at_calls: set[int]) -> tuple[dict[str, list[int]], list[tuple[int, bool]], FlakyDrafter]:
+        config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+        config = config.model_copy(update={"cost_curve": cost_files["gentle"]})
+        drafter = FlakyDrafter(lambda: build_draft_step(config), die_at_calls, polls_until_back=2)
+        tokenizer = load_tokenizer(target_dir(config))
+        engine = SpecEngine(config.to_settings(), build_target_step(config), drafter, tokenizer)
+        steer_by_the_file(engine)
+        engine.budget_policy.lesson_share = 0.0
+        engine.budget_policy.cost.ema_weight = 0.0
+        for i, prompt in enumerate(prompt_ids):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        outputs: dict[str, list[int]] = {}
+        steps: list[tuple[int, bool]] = []  # (drafter calls so far, whether the step cruised)
+        while engine.has_unfinished_requests():
+            outputs.update({out.request_id: list(out.token_ids) for out in engine.step() if out.finished})
+            steps.append((drafter.num_calls, engine._cruise_step is not None))
+        return outputs, steps, drafter
+
+    expected, steps, _ = run(set())
+    cruising_calls = [calls for calls, cruised in steps if cruised]
+    assert cruising_calls
+    outputs, steps, drafter = run({cruising_calls[0]})
+    assert outputs == expected and drafter.num_returns == 1
+    lost = next(i for i, (calls, _) in enumerate(steps) if calls == cruising_calls[0])
+    assert not steps[lost][1]  # the step whose draft failed ran plainly
+    back = next(i for i, (calls, _) in enumerate(steps) if calls > cruising_calls[0])
+    assert not steps[back][1]  # the first draft after the return planned
 
 
 @pytest.mark.parametrize("cost", list(COSTS))
