@@ -173,7 +173,7 @@ def _worker_request(target: ServedTarget) -> TimedRequest:
     """This process's request function for `target`, its client made once on the process's loop."""
     if target not in _worker_requests:
         if target.protocol == "http":
-            limits = httpx.Limits(max_connections=256)
+            limits = httpx.Limits(max_connections=None)  # one connection per client of any share
             client = httpx.AsyncClient(timeout=600, limits=limits)
             _worker_requests[target] = http_request(client, target.address, target.max_tokens)
         else:
@@ -182,6 +182,13 @@ def _worker_request(target: ServedTarget) -> TimedRequest:
             stub = DDTreeServeStub(grpc.aio.insecure_channel(target.address))
             _worker_requests[target] = grpc_request(stub, target.max_tokens, target.app_name)
     return _worker_requests[target]
+
+
+def _import_clients() -> None:
+    """A load-generator process's imports, made as it starts: a process the warm-up missed
+    (it may hand two shares to one process) pays only its clients' connections in its first
+    level, not the imports."""
+    from ddtree_serve.serve.protos import DDTreeServeStub, pb2  # noqa: F401
 
 
 def _worker_closed_loop(
@@ -206,11 +213,15 @@ class ClientProcesses:
     """The served paths' load spread over `count` processes, so that at high concurrency the
     generator's own HTTP and gRPC work (one Python process parsing thousands of chunks a
     second) does not cap what the server is measured to do; the in-process engine's load stays
-    in this process, beside its engine."""
+    in this process, beside its engine. Each process takes a fixed share of the level's
+    requests (no shared queue across processes), so a share that ends early leaves the level's
+    tail a little under its concurrency."""
 
     def __init__(self, count: int) -> None:
         context = multiprocessing.get_context("spawn")
-        self._pool = concurrent.futures.ProcessPoolExecutor(count, mp_context=context)
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            count, mp_context=context, initializer=_import_clients
+        )
         self.count = count
 
     async def closed_loop(

@@ -139,6 +139,7 @@ class SpecEngine:
         self.budget_policy = None
         if settings.budget_policy == "adaptive":
             self.budget_policy = budget_policy or self._adaptive_budget()
+            self.budget_policy.end_cruise()  # a kept policy's cruise was another engine's streak
             if self.budget_policy.graph_shapes is None and target.verify_token_buckets is not None:
                 shapes = VerifyGraphShapes(target.verify_token_buckets, target.max_seq_len)
                 self.budget_policy.graph_shapes = shapes
@@ -588,7 +589,8 @@ class SpecEngine:
             max_start = max(r.num_cached_tokens for r in requests)
             ceiling_cap = min(cruise.cap, policy.ceiling)
             captured = self.graph_shapes.allowed_buckets(len(requests), max_start, ceiling_cap)
-            width = min(width, captured[-1] - 1)
+            if captured is not None:  # None: no graphs for this batch, or free widths near the end
+                width = min(width, captured[-1] - 1)
         budgets = [min(r.tree_budget, width) for r in requests]
         built = build_host_tree_batch(draft.logp, draft.ids, budgets, [_bonus(r) for r in requests])
         trees = built.within_depth(cruise.keepable)

@@ -587,12 +587,16 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
     recheck ends the streak; a cruising step's record is a drafted one at the settled width."""
     policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
     run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 4, cost_per_node=0.0)
-    cruise_lengths = []
-    for seed in range(200):
-        if len(cruise_lengths) == 6:
+    cruise_lengths, ends = [], set()
+    teaching_settled = 0  # settled steps that left a node lesson: they arm no cruise
+    for seed in range(1000):
+        if len(cruise_lengths) >= 8 and teaching_settled:
             break
         if not policy.cruising:
             finish_step(policy, policy.plan([8]), seed)
+            if policy.settled and policy._lesson is not None:
+                teaching_settled += 1
+                assert not policy.cruising  # its lesson, learned in the next verify, may move prices
             continue
         asking, cruising = copy.deepcopy(policy), copy.deepcopy(policy)
         held_steps = 0
@@ -610,12 +614,14 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
             assert record.drafted and record.num_nodes == (width,) and record.accepted == 1
             assert record.predicted_accepted > 0.0
         assert cruised_steps == held_steps >= 1
+        gate = cruising.gate
+        ends.add("probe" if gate.steps_since_probe >= gate.drafted_probe_interval else "recheck")
         assert cruising.plan([8]) == ceiling and not cruising.gate.kept
         assert cruising.gate.steps_since_probe == asking.gate.steps_since_probe
         cruise_lengths.append(cruised_steps)
         policy = cruising
         finish_step(policy, ceiling, seed)
-    assert len(cruise_lengths) == 6 and len(set(cruise_lengths)) > 1
+    assert len(cruise_lengths) >= 8 and ends == {"probe", "recheck"} and teaching_settled > 0
 
 
 def test_a_settled_steps_forecast_is_worked_out_when_read_with_the_map_it_was_chosen_with(monkeypatch):

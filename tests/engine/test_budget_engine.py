@@ -15,15 +15,17 @@ import pytest
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import BudgetStep, BuildCost
-from ddtree_serve.engine.budget.policy import LEARNING_STEPS
+from ddtree_serve.engine.budget.policy import LEARNING_STEPS, _Cruise
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import StepResidual
 from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
+from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
 from ddtree_serve.engine.interfaces import TargetUnavailableError
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import PROBE_REQUESTS, SpecEngine
 from ddtree_serve.models import bundled_target_dir, load_tokenizer
+from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS
 from tests.engine.conftest import REFERENCE_TOKENS, bundled_pair_present
 from tests.engine.fakes import RecordingTarget
 from tests.engine.test_drafter_fallback import FlakyDrafter
@@ -147,11 +149,15 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
         assert top_k == width and max(step.num_nodes) <= width
 
 
-def test_a_cruising_step_drafts_builds_and_records_at_its_width(make_pair_config, prompt_ids, cost_files):
+@pytest.mark.parametrize("graphs", ["eager", "captured", "none_for_the_batch"])
+def test_a_cruising_step_drafts_builds_and_records_at_its_width(
+    make_pair_config, prompt_ids, cost_files, graphs
+):
     """Where node lessons are dear (a share of 0), a settled step arms a cruise: the steps its
     streak keeps run without planning, ask the drafter for the settled width's ranks, verify
     trees no wider, and still leave a drafted step's record; the output stays plain
-    decoding's."""
+    decoding's. A graphed target's verifies keep to its graph buckets; where it has none for the
+    batch (past the largest batch bucket, or free widths near the cache's end) they run eager."""
     max_tokens = 64
     config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
     engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["gentle"]}))
@@ -159,6 +165,18 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(make_pair_config
     policy, drafter = engine.budget_policy, engine.drafter
     policy.lesson_share = 0.0
     policy.cost.ema_weight = 0.0  # the file's prices hold: this machine's timings end no streak
+    if graphs != "eager":
+        policy.graph_shapes = VerifyGraphShapes(TOKEN_BUCKETS, config.max_seq_len)
+        if graphs == "none_for_the_batch":
+            policy.graph_shapes.allowed_buckets = lambda *args: None  # type: ignore[method-assign]
+    padded: list[int] = []
+    verify = engine.target.verify_and_commit
+
+    def recording_verify(inputs):
+        padded.append(inputs.batch.padded_num_nodes)
+        return verify(inputs)
+
+    engine.target.verify_and_commit = recording_verify
     plans, top_ks = [], []
     plan, draft = policy.plan, drafter.draft
 
@@ -195,6 +213,22 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(make_pair_config
         assert record.drafted and top_k == width and max(record.num_nodes) <= width
         assert len(record.predicted_per_request) == len(record.num_nodes)
     assert sum(record.accepted for _, _, record in cruised) > 0
+    if graphs == "captured":
+        assert all(n in TOKEN_BUCKETS for n in padded)
+
+
+def test_an_engine_given_a_cruising_policy_plans_its_first_step(make_pair_config, cost_files):
+    """A policy kept from a lost engine (or shared by a benchmark's engines) may have a cruise
+    armed for that engine's streak: the engine it is given to ends it, so its first drafted
+    step plans."""
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+    config = config.model_copy(update={"cost_curve": cost_files["gentle"]})
+    engine = build_local_engine(config)
+    policy = engine.budget_policy
+    policy._cruise = _Cruise(ceiling=16, width=8, batch_bucket=1, cap_bucket=16, steps_left=5)
+    assert policy.cruise_width(1, 16) == 8
+    SpecEngine(config.to_settings(), engine.target, engine.drafter, engine.tokenizer, budget_policy=policy)
+    assert not policy.cruising and policy.cruise_width(1, 16) is None
 
 
 def test_a_drafter_lost_during_a_cruise_ends_it(make_pair_config, prompt_ids, cost_files):

@@ -519,7 +519,15 @@ class AdaptiveBudget:
                 probe=self.probing,
             )
         )
-        if self.settled and drafted and self._weighed is not None and not self._lessons_are_cheap():
+        # Not while a lesson waits: learned inside the next verify (on CUDA), it may move the
+        # prices the held steps ahead were counted with.
+        if (
+            self.settled
+            and drafted
+            and self._weighed is not None
+            and self._lesson is None
+            and not self._lessons_are_cheap()
+        ):
             ahead = self.gate.steps_held_ahead()
             if ahead > 0:
                 self._cruise = _Cruise(
