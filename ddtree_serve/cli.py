@@ -210,10 +210,17 @@ def _stream(llm: Any, prompt: str, params: Any, echo: bool) -> Any:
 def one_line_error(error: Exception) -> str:
     """Pydantic's multi-line report (or any message) as one line a terminal user can act on."""
     if isinstance(error, pydantic.ValidationError):
-        return "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in error.errors()
-        )
+        return "; ".join(_one_error(e["loc"], e["msg"]) for e in error.errors())
     return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _one_error(loc: tuple[int | str, ...], message: str) -> str:
+    """`field.path: message`, without pydantic's "Value error, " (a validator's own message says
+    what is wrong) and without a path where the whole model was checked (the message names the
+    fields)."""
+    message = message.removeprefix("Value error, ")
+    path = ".".join(str(part) for part in loc)
+    return f"{path}: {message}" if path else message
 
 
 if __name__ == "__main__":

@@ -85,6 +85,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Run every forward eagerly, no CUDA graphs (default: graphs on CUDA).",
     )
+    placement = parser.add_argument_group("placement (one speculation group)")
+    defaults_placement = defaults.placement
+    placement.add_argument(
+        "--workers",
+        choices=["actors", "target_in_coordinator", "engine_core", "in_process"],
+        help="actors: drafter and target actors (a lost target restarts in place); "
+        "target_in_coordinator: the target inside the Coordinator replica; engine_core: the target "
+        "and the engine loop in an actor of their own (the fastest served placement on one H200, "
+        "README Benchmarks); in_process: both models in the replica "
+        f"{default(defaults_placement.workers)}.",
+    )
+    placement.add_argument(
+        "--transport",
+        choices=["auto", "actor_calls", "compiled_graph", "sockets"],
+        help="How the Coordinator reaches the worker actors each step (auto: the workers' own "
+        f"sockets where they fit) {default(defaults_placement.transport)}.",
+    )
+    placement.add_argument(
+        "--overlap",
+        action="store_true",
+        default=None,
+        help="Two micro-batches in flight: the drafter drafts one while the target verifies the "
+        f"other (fixed budget, a drafter) {default(defaults_placement.overlap)}.",
+    )
+    placement.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        help=f"Target ranks, one GPU each {default(defaults_placement.tensor_parallel_size)}.",
+    )
     limits = parser.add_argument_group("limits")
     limits.add_argument(
         "--max-num-seqs",
@@ -178,6 +208,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ("engine", "max_queue_len"): args.max_queue_len,
         ("engine", "max_seq_len"): args.max_seq_len,
         ("engine", "max_num_batched_tokens"): args.max_num_batched_tokens,
+        ("placement", "workers"): args.workers,
+        ("placement", "transport"): args.transport,
+        ("placement", "overlap"): args.overlap,
+        ("placement", "tensor_parallel_size"): args.tensor_parallel_size,
         ("observability", "tracing", "exporter"): args.tracing,
         ("observability", "tracing", "file_path"): args.tracing_file,
         ("observability", "tracing", "otlp_endpoint"): args.otlp_endpoint,

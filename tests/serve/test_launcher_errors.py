@@ -79,6 +79,9 @@ def test_joining_a_cluster_deletes_only_this_app_on_exit(monkeypatch: pytest.Mon
         (["--max-num-batched-tokens", "0"], "engine.max_num_batched_tokens"),
         (["--budget-policy", "adaptive", "--mode", "chain"], "needs mode 'ddtree'"),
         (["--budget-policy", "adaptive", "--cost-curve", "/nonexistent/costs.json"], "No such file"),
+        (["--workers", "engine_core", "--mode", "ar"], "needs a drafter"),
+        (["--workers", "in_process", "--overlap"], "placement.overlap needs workers"),
+        (["--tensor-parallel-size", "0"], "placement.tensor_parallel_size"),
     ],
 )
 def test_bad_flag_values_print_one_line_and_exit_2(
@@ -88,6 +91,7 @@ def test_bad_flag_values_print_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.startswith("ddtree-serve serve: error:") and expected in err
     assert err.count("\n") == 1  # one line, not pydantic's multi-line report
+    assert "Value error" not in err  # a validator's own message, without pydantic's prefix
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
@@ -101,6 +105,21 @@ def test_limit_flags_reach_the_engine_config_and_vllm_names_are_accepted() -> No
     engine = config_from_args(args).engine
     assert (engine.max_seq_len, engine.max_queue_len, engine.max_num_batched_tokens) == (512, 3, 256)
     assert config_from_args(serve_args("--max-seq-len", "300")).engine.max_seq_len == 300
+
+
+def test_placement_flags_reach_the_config_over_the_file_and_vllm_names_are_accepted(tmp_path: Path) -> None:
+    placement = config_from_args(
+        serve_args("--workers", "engine_core", "--transport", "sockets", "--overlap")
+    ).placement
+    assert (placement.workers, placement.transport, placement.overlap) == ("engine_core", "sockets", True)
+    assert config_from_args(serve_args("-tp", "2")).placement.tensor_parallel_size == 2
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("placement: {workers: target_in_coordinator, overlap: true}\n")
+    from_file = config_from_args(serve_args("--config", str(config_file))).placement
+    assert (from_file.workers, from_file.overlap) == ("target_in_coordinator", True)
+    flagged = config_from_args(serve_args("--config", str(config_file), "--workers", "engine_core")).placement
+    assert (flagged.workers, flagged.overlap) == ("engine_core", True)  # the file's other fields stay
+    assert config_from_args(serve_args()).placement.workers == "actors"
 
 
 def test_a_local_cluster_gets_a_dashboard_on_localhost_unless_turned_off() -> None:
@@ -155,6 +174,9 @@ def test_serve_help_shows_the_default_of_every_flag_that_has_one() -> None:
         ("--device", "cpu"),
         ("--max-num-seqs", "8"),
         ("--budget-policy", "fixed"),
+        ("--workers", "actors"),
+        ("--transport", "auto"),
+        ("--tensor-parallel-size", "1"),
     ):
         assert f"(default: {value})" in str(help_of[flag])
 
