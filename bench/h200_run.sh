@@ -6,7 +6,7 @@
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
 # graph chain overlap direct sockets local local_chain local_interval local_hops local_profile
-# local_profile_tcp rtt core core_overlap core_interval steps ttft ttft_direct ttft_sockets fake features features_test gate
+# local_profile_tcp rtt core core_overlap core_interval budget_ab steps ttft ttft_direct ttft_sockets fake features features_test gate
 # (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
@@ -35,6 +35,14 @@ for stage in "${STAGES[@]}"; do
       --max-tokens 64 --out-dir /tmp/budget --traces /tmp/budget/budget_traces_cuda.json
       cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png /tmp/budget/budget_build_cost_cuda.json "$OUT/"
       xz -c /tmp/budget/budget_traces_cuda.json >"$OUT/budget_traces_cuda.json.xz" ;;
+    budget_ab)  # base (bench/ab_base.sh, carried) and head in turn, two rounds, one warm machine
+      ln -sfn "$PWD/ddtree_serve/bundled" bench/out/base_src/ddtree_serve/bundled
+      for round in 1 2; do
+        PYTHONPATH=bench/out/base_src:/tmp/site run "budget_base$round" 120 python3 bench/budget_sweep.py \
+          --device cuda --dtype bfloat16 --max-tokens 64 --out-dir "/tmp/budget_base$round"
+        run "budget_head$round" 120 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
+          --max-tokens 64 --out-dir "/tmp/budget_head$round"
+      done ;;
     hops) run hops 240 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8 \
       --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 --rounds 1 ;;
     serve) run serve 300 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
