@@ -73,6 +73,7 @@ from ddtree_serve.engine.tree_builder import (
     topk_on_host,
 )
 from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS
+from ddtree_serve.tree import TreeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -326,8 +327,8 @@ class SpecEngine:
         if self.drafter is None or not self._drafter_ready(self.drafter, requests):
             return running, None
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
-        if self.budget_policy is not None and (width := self._cruise_width(requests)) is not None:
-            top_k = min(top_k, width)
+        if self.budget_policy is not None and (cruise := self._start_cruise(requests)) is not None:
+            top_k = min(top_k, cruise.width)
         elif self.budget_policy is not None:
             ceiling = self.budget_policy.plan(self._adaptive_inputs_of(requests)[1])
             if ceiling == 0:
@@ -528,7 +529,6 @@ class SpecEngine:
         The draft covers the first requests only (all, but for a probe): the rest verify their root."""
         started = time.perf_counter()
         drafted = len(draft.num_context_tokens)  # checked against the drafted requests in `_draft`
-        captured = None
         keepable, request_caps = self._adaptive_inputs_of(requests)
         self._adaptive_inputs = None
         ceiling = policy.ceiling
@@ -540,29 +540,23 @@ class SpecEngine:
         # graphs it may run are still its ceiling's (no capture at the width's own bucket).
         width = policy.settled_width
         caps = ceiling_caps if width is None else [min(cap, width) for cap in ceiling_caps]
-        if self.graph_shapes is not None:
-            max_start = max(r.num_cached_tokens for r in requests)
-            captured = self.graph_shapes.allowed_buckets(len(requests), max_start, max(ceiling_caps))
-        # No tree wider than the widest graph the step may run is built (`choose` cuts the caps
-        # alike, and tells the gate when that cut its ceiling).
-        widest = (
-            caps if captured is None or max(caps) < captured[-1] else [min(c, captured[-1] - 1) for c in caps]
-        )
+        captured = self._allowed_buckets(requests, max(ceiling_caps))
+        # `choose` cuts the caps to the widest graph alike, and tells the gate when that cut its
+        # ceiling.
+        widest = _within_graphs(caps, captured)
         roots = [_bonus(r) for r in requests]
         whole = build_host_tree_batch(draft.logp, draft.ids, widest[:drafted], roots[:drafted])
         whole = whole.with_root_only(roots[drafted:])
         built = whole.within_depth(keepable)  # itself where no request is near its end
         cut_rows = None if built is whole else built.num_nodes < whole.num_nodes
         allocation = policy.choose(built, caps, captured, cut_rows=cut_rows)
-        trees = built.prefix(allocation.num_nodes)
-        padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)
-        batch = BuiltTrees(trees.verify_batch(n_max=padded), trees.num_nodes.tolist(), trees)
+        batch = _padded_to_graphs(built.prefix(allocation.num_nodes), captured)
         policy.record_build_ms(1000.0 * (time.perf_counter() - started))
         return batch
 
-    def _cruise_width(self, requests: list[Request]) -> int | None:
-        """The width of this step's cruise (`AdaptiveBudget.cruise_width`), None: it plans. A
-        request that can keep no draft token ends the cruise (its cap is 0: the weighing's case)."""
+    def _start_cruise(self, requests: list[Request]) -> "_CruiseStep | None":
+        """This step's cruise (`AdaptiveBudget.cruise_width`), None: it plans. A request that can
+        keep no draft token ends the cruise (its cap is 0: the weighing's case)."""
         policy = self.budget_policy
         if policy is None or not policy.cruising:
             return None
@@ -573,7 +567,7 @@ class SpecEngine:
             policy.end_cruise()
             width = None
         self._cruise_step = None if width is None else _CruiseStep(width, keepable, cap)
-        return width
+        return self._cruise_step
 
     def _build_cruising(
         self, requests: list[Request], draft: DraftOutput, cruise: "_CruiseStep"
@@ -583,19 +577,19 @@ class SpecEngine:
         verify graph is the ceiling's)."""
         policy = self.budget_policy
         assert policy is not None
-        width = cruise.width
-        captured = None
-        if self.graph_shapes is not None:
-            max_start = max(r.num_cached_tokens for r in requests)
-            ceiling_cap = min(cruise.cap, policy.ceiling)
-            captured = self.graph_shapes.allowed_buckets(len(requests), max_start, ceiling_cap)
-            if captured is not None:  # None: no graphs for this batch, or free widths near the end
-                width = min(width, captured[-1] - 1)
-        budgets = [min(r.tree_budget, width) for r in requests]
+        captured = self._allowed_buckets(requests, min(cruise.cap, policy.ceiling))
+        budgets = _within_graphs([min(r.tree_budget, cruise.width) for r in requests], captured)
         built = build_host_tree_batch(draft.logp, draft.ids, budgets, [_bonus(r) for r in requests])
-        trees = built.within_depth(cruise.keepable)
-        padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)
-        return BuiltTrees(trees.verify_batch(n_max=padded), trees.num_nodes.tolist(), trees)
+        return _padded_to_graphs(built.within_depth(cruise.keepable), captured)
+
+    def _allowed_buckets(self, requests: list[Request], ceiling: int) -> tuple[int, ...] | None:
+        """The tree-token buckets an adaptive step of trees up to `ceiling` nodes may verify in
+        (`VerifyGraphShapes.allowed_buckets`); None: any (an eager target, no graphs for the
+        batch, or free widths near the cache's end)."""
+        if self.graph_shapes is None:
+            return None
+        max_start = max(r.num_cached_tokens for r in requests)
+        return self.graph_shapes.allowed_buckets(len(requests), max_start, ceiling)
 
     def _fixed_top_k(self) -> int:
         """K of the drafts that are joined across calls (overlap, chained): one shape for all."""
@@ -777,6 +771,21 @@ class _CarriedDraft:
 
     requests: list[Request]
     pending: Pending[DraftOutput | None]
+
+
+def _within_graphs(caps: list[int], captured: tuple[int, ...] | None) -> list[int]:
+    """`caps` with no tree wider than the widest graph the step may run (`captured`: its
+    buckets; None: any width)."""
+    if captured is None or max(caps) < captured[-1]:
+        return caps
+    return [min(cap, captured[-1] - 1) for cap in caps]
+
+
+def _padded_to_graphs(trees: TreeBatch, captured: tuple[int, ...] | None) -> BuiltTrees:
+    """The step's verify batch, its trees padded to the captured bucket that holds the widest
+    (None: the target's own padding), so the verify runs a graph that exists."""
+    padded = VerifyGraphShapes.padded_nodes(int(trees.num_nodes.max()), captured)
+    return BuiltTrees(trees.verify_batch(n_max=padded), trees.num_nodes.tolist(), trees)
 
 
 @dataclass(frozen=True)
