@@ -63,6 +63,24 @@ def reference_llm(cluster: ServeCluster) -> LLM:
     return LLM.from_config(EngineConfig.model_validate(cluster.config.engine.model_dump()))
 
 
+def on_two_fake_gpus(**placement: Any) -> dict[str, Any]:
+    """`placement` fields of a group whose drafter and target (or engine core) take one fake GPU
+    each and little CPU (start the cluster with `num_gpus=2`), `placement` merged in."""
+    return {
+        "coordinator": {"num_cpus": 0.25},
+        "drafter": {"num_cpus": 0.25, "num_gpus": 1},
+        "target": {"num_cpus": 0.25, "num_gpus": 1},
+        **placement,
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: ServeCluster) -> LLM:
+    """The module's served engine config in this process (its `cluster` fixture's): what the
+    served greedy outputs must equal."""
+    return reference_llm(cluster)
+
+
 def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterator[ServeCluster]:
     """Starts Ray (fake GPUs: `num_gpus`), Serve with both proxies and the app; tears all down."""
     import ray

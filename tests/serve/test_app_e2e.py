@@ -26,7 +26,7 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.models.chat_template import CHATML_TEMPLATE, ChatTemplate
 from ddtree_serve.serve.protos import SERVICE_NAME, DDTreeServeStub, pb2
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import ServeCluster, reference_llm, start_serve_cluster, tiny_serve_config
+from tests.serve.conftest import ServeCluster, on_two_fake_gpus, start_serve_cluster, tiny_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,20 +45,10 @@ def cluster(tiny_model_dirs: TinyModelDirs, spans_path: Path) -> Iterator[ServeC
         tiny_model_dirs,
         # Room for ~1000-token requests: the backpressure test needs streams that outlast it.
         engine={"max_seq_len": 1024},
-        placement={
-            "coordinator": {"num_cpus": 0.25},
-            "drafter": {"num_cpus": 0.25, "num_gpus": 1},
-            "target": {"num_cpus": 0.25, "num_gpus": 1},
-        },
+        placement=on_two_fake_gpus(),
         observability={"metrics": True, "tracing": {"exporter": "file", "file_path": str(spans_path)}},
     )
     yield from start_serve_cluster(raw, num_gpus=2)
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: ServeCluster) -> LLM:
-    """The same engine config in this process: what served greedy outputs must equal."""
-    return reference_llm(cluster)
 
 
 @pytest.fixture(scope="module")

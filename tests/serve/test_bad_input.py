@@ -22,7 +22,7 @@ from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.protos import DDTreeServeStub, pb2
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import ServeCluster, reference_llm, start_serve_cluster, tiny_serve_config
+from tests.serve.conftest import ServeCluster, start_serve_cluster, tiny_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -43,11 +43,6 @@ def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
         observability={"metrics": False},
     )
     yield from start_serve_cluster(raw)
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: ServeCluster) -> LLM:
-    return reference_llm(cluster)
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,11 @@ import pytest
 
 from ddtree_serve.engine.llm import LLM
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import (
-    ServeCluster,
-    on_the_bundled_pair,
-    reference_llm,
-    start_serve_cluster,
-    tiny_serve_config,
-)
+from tests.serve.conftest import ServeCluster
 from tests.serve.test_faults import completion_body, greedy, group_identity, health, wait_until
 from tests.serve.test_local_target import (
     PROMPTS,
+    bundled_group,
     check_a_drafter_kill_loses_no_request,
     check_streams_equal_in_process,
 )
@@ -35,22 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
-    raw = tiny_serve_config(
-        tiny_model_dirs,
-        engine={"max_seq_len": 512, "max_num_seqs": 4, "max_queue_len": 8, "budget": 8},
-        placement={
-            "workers": "engine_core",
-            "coordinator": {"num_cpus": 0.25},
-            "drafter": {"num_cpus": 0.25, "num_gpus": 1},
-            "target": {"num_cpus": 0.25, "num_gpus": 1},
-        },
-    )
-    yield from start_serve_cluster(on_the_bundled_pair(raw), num_gpus=2)
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: ServeCluster) -> LLM:
-    return reference_llm(cluster)
+    yield from bundled_group(tiny_model_dirs, "engine_core")
 
 
 def test_the_core_holds_the_targets_gpu_beside_the_drafter_and_the_replica_holds_none(

@@ -27,7 +27,7 @@ from tests.conftest import TinyModelDirs
 from tests.serve.conftest import (
     ServeCluster,
     on_the_bundled_pair,
-    reference_llm,
+    on_two_fake_gpus,
     start_serve_cluster,
     tiny_serve_config,
 )
@@ -54,18 +54,9 @@ def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
     raw = tiny_serve_config(
         tiny_model_dirs,
         engine={"max_seq_len": 512, "max_num_seqs": 8, "max_queue_len": 8, "budget": 8},
-        placement={
-            "coordinator": {"num_cpus": 0.25},
-            "drafter": {"num_cpus": 0.25, "num_gpus": 1},
-            "target": {"num_cpus": 0.25, "num_gpus": 1},
-        },
+        placement=on_two_fake_gpus(),
     )
     yield from start_serve_cluster(on_the_bundled_pair(raw), num_gpus=2)
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: ServeCluster) -> LLM:
-    return reference_llm(cluster)
 
 
 def group_identity(cluster: ServeCluster) -> dict[str, Any]:

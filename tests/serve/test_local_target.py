@@ -20,7 +20,7 @@ from tests.conftest import TinyModelDirs
 from tests.serve.conftest import (
     ServeCluster,
     on_the_bundled_pair,
-    reference_llm,
+    on_two_fake_gpus,
     start_serve_cluster,
     tiny_serve_config,
 )
@@ -41,24 +41,20 @@ PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(10
 STREAM_TOKENS = 160  # long enough that the kill lands mid-stream
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
+def bundled_group(tiny_model_dirs: TinyModelDirs, workers: str) -> Iterator[ServeCluster]:
+    """The bundled pair served with `placement.workers` `workers` on two fake GPUs (this module's
+    group and the engine core's)."""
     raw = tiny_serve_config(
         tiny_model_dirs,
         engine={"max_seq_len": 512, "max_num_seqs": 4, "max_queue_len": 8, "budget": 8},
-        placement={
-            "workers": "target_in_coordinator",
-            "coordinator": {"num_cpus": 0.25},
-            "drafter": {"num_cpus": 0.25, "num_gpus": 1},
-            "target": {"num_cpus": 0.25, "num_gpus": 1},
-        },
+        placement=on_two_fake_gpus(workers=workers),
     )
     yield from start_serve_cluster(on_the_bundled_pair(raw), num_gpus=2)
 
 
 @pytest.fixture(scope="module")
-def reference(cluster: ServeCluster) -> LLM:
-    return reference_llm(cluster)
+def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
+    yield from bundled_group(tiny_model_dirs, "target_in_coordinator")
 
 
 async def _streams(cluster: ServeCluster, client: httpx.AsyncClient, stub: Any) -> list[asyncio.Task]:

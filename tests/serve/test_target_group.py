@@ -29,7 +29,13 @@ from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.coordinator import Coordinator
 from ddtree_serve.serve.target_group import TargetGroupError, start_target_group
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import ServeCluster, reference_llm, start_serve_cluster, tiny_serve_config
+from tests.serve.conftest import (
+    ServeCluster,
+    on_two_fake_gpus,
+    reference_llm,
+    start_serve_cluster,
+    tiny_serve_config,
+)
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 PROMPTS = ["def add(a, b):", "The quick brown fox"]
@@ -118,12 +124,7 @@ def test_impossible_target_groups_are_refused(raw: dict, message: str) -> None:
 def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
     raw = tiny_serve_config(
         tiny_model_dirs,
-        placement={
-            "coordinator": {"num_cpus": 0.25},
-            "drafter": {"num_cpus": 0.25, "num_gpus": 1},
-            "target": {"num_cpus": 0.25, "num_gpus": 1},
-            "tensor_parallel_size": 2,
-        },
+        placement=on_two_fake_gpus(tensor_parallel_size=2),
         observability={"metrics": False},
     )
     yield from start_serve_cluster(raw, num_gpus=3)
