@@ -26,7 +26,7 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import PROBE_REQUESTS, SpecEngine
 from ddtree_serve.models import bundled_target_dir, load_tokenizer
 from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS
-from tests.engine.conftest import REFERENCE_TOKENS, bundled_pair_present
+from tests.engine.conftest import REFERENCE_TOKENS, bundled_pair_present, run_to_completion
 from tests.engine.fakes import RecordingTarget
 from tests.engine.test_drafter_fallback import FlakyDrafter
 from tests.engine.test_positions import CheckingDrafter, check_after_step
@@ -53,6 +53,41 @@ def steer_by_the_file(engine: SpecEngine) -> None:
     engine.budget_policy.overhead = StepOverhead(ema_weight=0.0)
     engine.budget_policy.gate.residual = StepResidual(frozen=True)
     engine.budget_policy.gate.probe_share = 0.0
+
+
+def gentle_engine(make_pair_config, cost_files: dict[str, str]) -> SpecEngine:
+    """The adaptive engine over the bundled pair at ceiling 16, three requests at a time, steered
+    by the `gentle` file (`SETTLED_COST`: weighings keep the likeliest nodes only)."""
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["gentle"]}))
+    steer_by_the_file(engine)
+    return engine
+
+
+def add_greedy_requests(engine: SpecEngine, prompt_ids: list[list[int]], max_tokens: int) -> None:
+    """Request `i` for `prompt_ids[i]`, greedy, exactly `max_tokens` new tokens."""
+    for i, prompt in enumerate(prompt_ids):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def plain_decoding(make_pair_config, prompt_ids: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """`add_greedy_requests`' outputs under plain decoding: what every adaptive run must equal."""
+    plain = build_local_engine(make_pair_config(mode="ar", max_num_seqs=3))
+    add_greedy_requests(plain, prompt_ids, max_tokens)
+    return run_to_completion(plain)
+
+
+def recorded_top_ks(drafter) -> list[int]:
+    """The top-K of every draft call `drafter` takes from now on, in order."""
+    top_ks: list[int] = []
+    draft = drafter.draft
+
+    def recording(inputs):
+        top_ks.append(inputs.top_k)
+        return draft(inputs)
+
+    drafter.draft = recording
+    return top_ks
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +136,7 @@ def test_greedy_adaptive_equals_plain_decoding_oracle(
         "ddtree", budget=8, max_num_seqs=3, budget_policy="adaptive", cost_curve=cost_files[cost]
     )
     steer_by_the_file(engine)  # the regime is the cost file's, not this machine's host work
-    for i, prompt in enumerate(prompt_ids):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
+    add_greedy_requests(engine, prompt_ids, REFERENCE_TOKENS)
     outputs, steps = run_recording_steps(engine)
     for i, prompt in enumerate(prompt_ids):
         assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
@@ -114,33 +148,21 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
     trees: a settled step asks the drafter for its width's ranks only and verifies trees no
     wider, and the output stays plain decoding's."""
     max_tokens = 64
-    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
-    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["gentle"]}))
-    steer_by_the_file(engine)
-    policy, drafter = engine.budget_policy, engine.drafter
+    engine = gentle_engine(make_pair_config, cost_files)
+    policy = engine.budget_policy
     settled_widths: list[int | None] = []
-    top_ks: list[int] = []
-    plan, draft = policy.plan, drafter.draft
+    top_ks = recorded_top_ks(engine.drafter)
+    plan = policy.plan
 
     def recording_plan(caps):
         ceiling = plan(caps)
         settled_widths.append(policy.settled_width if ceiling else None)
         return ceiling
 
-    def recording_draft(inputs):
-        top_ks.append(inputs.top_k)
-        return draft(inputs)
-
-    policy.plan, drafter.draft = recording_plan, recording_draft
-    plain = build_local_engine(make_pair_config(mode="ar", max_num_seqs=3))
-    for each in (engine, plain):
-        for i, prompt in enumerate(prompt_ids):
-            each.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    policy.plan = recording_plan
+    add_greedy_requests(engine, prompt_ids, max_tokens)
     outputs, steps = run_recording_steps(engine)
-    expected = {}
-    while plain.has_unfinished_requests():
-        expected.update({out.request_id: list(out.token_ids) for out in plain.step() if out.finished})
-    assert outputs == expected
+    assert outputs == plain_decoding(make_pair_config, prompt_ids, max_tokens)
     drafted = [(width, step) for width, step in zip(settled_widths, steps, strict=True) if step.drafted]
     assert len(top_ks) == len(drafted)  # one draft call per drafted step
     settled = [(w, s, k) for (w, s), k in zip(drafted, top_ks, strict=True) if w is not None]
@@ -159,14 +181,12 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(
     decoding's. A graphed target's verifies keep to its graph buckets; where it has none for the
     batch (past the largest batch bucket, or free widths near the cache's end) they run eager."""
     max_tokens = 64
-    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
-    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["gentle"]}))
-    steer_by_the_file(engine)
-    policy, drafter = engine.budget_policy, engine.drafter
+    engine = gentle_engine(make_pair_config, cost_files)
+    policy = engine.budget_policy
     policy.lesson_share = 0.0
     policy.cost.ema_weight = 0.0  # the file's prices hold: this machine's timings end no streak
     if graphs != "eager":
-        policy.graph_shapes = VerifyGraphShapes(TOKEN_BUCKETS, config.max_seq_len)
+        policy.graph_shapes = VerifyGraphShapes(TOKEN_BUCKETS, engine.settings.max_seq_len)
         if graphs == "none_for_the_batch":
             policy.graph_shapes.allowed_buckets = lambda *args: None  # type: ignore[method-assign]
     padded: list[int] = []
@@ -177,22 +197,16 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(
         return verify(inputs)
 
     engine.target.verify_and_commit = recording_verify
-    plans, top_ks = [], []
-    plan, draft = policy.plan, drafter.draft
+    plans: list[int] = []
+    top_ks = recorded_top_ks(engine.drafter)
+    plan = policy.plan
 
     def recording_plan(caps):
         plans.append(len(top_ks))
         return plan(caps)
 
-    def recording_draft(inputs):
-        top_ks.append(inputs.top_k)
-        return draft(inputs)
-
-    policy.plan, drafter.draft = recording_plan, recording_draft
-    plain = build_local_engine(make_pair_config(mode="ar", max_num_seqs=3))
-    for each in (engine, plain):
-        for i, prompt in enumerate(prompt_ids):
-            each.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    policy.plan = recording_plan
+    add_greedy_requests(engine, prompt_ids, max_tokens)
     outputs: dict[str, list[int]] = {}
     cruised: list[tuple[int, int, BudgetStep]] = []  # (width, top-K, record)
     while engine.has_unfinished_requests():
@@ -204,10 +218,7 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(
             assert drafts not in plans and len(top_ks) == drafts + 1  # drafted without planning
             assert policy.last_step is not before
             cruised.append((cruise.width, top_ks[-1], policy.last_step))
-    expected = {}
-    while plain.has_unfinished_requests():
-        expected.update({out.request_id: list(out.token_ids) for out in plain.step() if out.finished})
-    assert outputs == expected
+    assert outputs == plain_decoding(make_pair_config, prompt_ids, max_tokens)
     assert len(cruised) >= 5
     for width, top_k, record in cruised:
         assert record.drafted and top_k == width and max(record.num_nodes) <= width
@@ -247,8 +258,7 @@ def test_a_drafter_lost_during_a_cruise_ends_it(make_pair_config, prompt_ids, co
         steer_by_the_file(engine)
         engine.budget_policy.lesson_share = 0.0
         engine.budget_policy.cost.ema_weight = 0.0
-        for i, prompt in enumerate(prompt_ids):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        add_greedy_requests(engine, prompt_ids, max_tokens)
         outputs: dict[str, list[int]] = {}
         steps: list[tuple[int, bool]] = []  # (drafter calls so far, whether the step cruised)
         while engine.has_unfinished_requests():
@@ -273,8 +283,7 @@ def test_greedy_adaptive_equals_plain_decoding_real_drafter(
 ):
     config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
     engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files[cost]}))
-    for i, prompt in enumerate(prompt_ids):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
+    add_greedy_requests(engine, prompt_ids, REFERENCE_TOKENS)
     outputs, _ = run_recording_steps(engine)
     for i, prompt in enumerate(prompt_ids):
         assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
@@ -287,8 +296,7 @@ def test_a_costly_host_build_narrows_the_ceiling_and_stays_lossless(
     config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
     engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["free_nodes"]}))
     engine.budget_policy.build = BuildCost(0.0, 0.0, per_node_ms=1.0, ema_weight=0.0)  # no live rescale
-    for i, prompt in enumerate(prompt_ids):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
+    add_greedy_requests(engine, prompt_ids, REFERENCE_TOKENS)
     outputs, steps = run_recording_steps(engine)
     for i, prompt in enumerate(prompt_ids):
         assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
@@ -504,8 +512,7 @@ def test_the_last_steps_lesson_is_learned_while_the_device_verifies(
     steer_by_the_file(engine)
     target = _DeviceLikeTarget(engine.target, lambda: engine.budget_policy)
     engine.target = target
-    for i, prompt in enumerate(prompt_ids):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True))
+    add_greedy_requests(engine, prompt_ids, REFERENCE_TOKENS)
     outputs, _ = run_recording_steps(engine)
     for i, prompt in enumerate(prompt_ids):
         assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
