@@ -6,7 +6,7 @@
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
 # graph chain overlap direct sockets local local_chain local_interval local_hops local_profile
-# local_profile_tcp rtt core core_overlap core_interval budget_ab steps ttft ttft_direct ttft_sockets fake features features_test gate
+# local_profile_tcp rtt core core_overlap core_interval colocated budget_ab steps ttft ttft_direct ttft_sockets fake features features_test gate
 # (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
@@ -87,6 +87,10 @@ for stage in "${STAGES[@]}"; do
       --workers engine_core in_process --transport sockets --stream-batching-interval-ms 50 \
       --concurrency 1 16 64 --requests-per-client 6 --client-processes 4 --serve-throughput-optimized \
       --direct-ingress ;;
+    colocated) run colocated 420 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
+      --workers engine_core engine_core_colocated in_process --transport sockets \
+      --stream-batching-interval-ms 50 --concurrency 1 16 64 --requests-per-client 6 \
+      --client-processes 4 --serve-throughput-optimized --direct-ingress ;;
     rtt) run rtt 120 python3 bench/step_socket_rtt.py --batch-sizes 1 16 64 --repeats 500 ;;
     ttft_sockets) run ttft_sockets 120 python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 \
       --transport sockets --serve-throughput-optimized --direct-ingress ;;

@@ -438,11 +438,17 @@ def stop_application(ray_dir: str) -> None:
     shutil.rmtree(ray_dir, ignore_errors=True)
 
 
+HOPLESS_WORKERS = ("in_process", "engine_core_colocated")
+"""Placements whose models share one process: no step transport, nothing to overlap."""
+
+
 def _app_name(
     workers: str, transport: str, overlap: bool, chained: bool, interval_ms: float, features: str
 ) -> str:
     name = f"{transport}-{'overlap' if overlap else 'serial'}"
-    if workers != "actors":
+    if workers in HOPLESS_WORKERS:
+        name = workers
+    elif workers != "actors":
         name = f"{workers}-{name}"
     if chained and transport != "actor_calls" and not overlap:
         name += "-chained"
@@ -478,10 +484,12 @@ def main() -> None:
         "--workers",
         nargs="+",
         default=["actors"],
-        choices=["actors", "target_in_coordinator", "engine_core", "in_process"],
+        choices=["actors", "target_in_coordinator", "engine_core", "engine_core_colocated", "in_process"],
         help="placement.workers values: drafter and target actors, the target inside the "
         "Coordinator replica and the drafter in its actor, the target and the engine loop in an "
-        "engine core actor, or both models inside the replica.",
+        "engine core actor, that core with the drafter in it too, or both models inside the "
+        "replica. The last two have no step hop: they run once per interval, overlap off, "
+        "whatever --transport lists.",
     )
     parser.add_argument(
         "--transport",
@@ -556,6 +564,7 @@ def main() -> None:
         for f in args.features
         if c == "off" or (t != "actor_calls" and o == "off")  # chaining changes nothing elsewhere
         if w not in ("target_in_coordinator", "engine_core") or t == "sockets"  # their one transport
+        if w not in HOPLESS_WORKERS or (t == args.transport[0] and o == "off")
     ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": free_port()}, "grpc": {"port": free_port()}}
@@ -566,7 +575,7 @@ def main() -> None:
             observability={"metrics": False},  # type: ignore[arg-type]
             placement={  # type: ignore[arg-type]
                 "workers": workers,
-                "transport": transport,
+                "transport": "auto" if workers in HOPLESS_WORKERS else transport,
                 "overlap": overlap,
                 "chain_drafts": chained,
                 "features": features,

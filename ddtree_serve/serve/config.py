@@ -50,6 +50,18 @@ class WorkerResources(_Strict):
         bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
         return {name: amount for name, amount in bundle.items() if amount > 0}
 
+    def plus(self, other: "WorkerResources") -> "WorkerResources":
+        """One process holding what this one and `other` would reserve apart (a model moved into
+        another's process brings its resources)."""
+        resources = dict(self.resources)
+        for name, amount in other.resources.items():
+            resources[name] = resources.get(name, 0.0) + amount
+        return WorkerResources(
+            num_cpus=self.num_cpus + other.num_cpus,
+            num_gpus=self.num_gpus + other.num_gpus,
+            resources=resources,
+        )
+
 
 class PlacementConfig(_Strict):
     """One speculation group = one placement group: coordinator, drafter device, target devices."""
@@ -77,7 +89,9 @@ class PlacementConfig(_Strict):
         "on CPU) that shards attention heads, MLPs, experts and the vocabulary; the coordinator "
         "still sees one target.",
     )
-    workers: Literal["actors", "target_in_coordinator", "engine_core", "in_process"] = Field(
+    workers: Literal[
+        "actors", "target_in_coordinator", "engine_core", "engine_core_colocated", "in_process"
+    ] = Field(
         default="actors",
         description="'actors': DrafterWorker and TargetWorker actors in the group's bundles (the "
         "speculation group); 'target_in_coordinator': the target model inside the Coordinator "
@@ -87,7 +101,12 @@ class PlacementConfig(_Strict):
         "Serve replaces; 'engine_core': the target model and the engine loop in an EngineCore "
         "actor in the target's bundle (vLLM's engine core: the loop no longer shares a process "
         "with Serve's streams), the drafter in its actor over the socket step graph, the "
-        "Coordinator a client of the core; a lost core is a lost replica; 'in_process': both "
+        "Coordinator a client of the core; a lost core is a lost replica; "
+        "'engine_core_colocated': the engine core with the drafter in its process too (vLLM's "
+        "layout, the draft model in the engine's worker; the core reserves placement.target's "
+        "and placement.drafter's resources in one bundle and runs both models on engine.device): "
+        "no step hop, the fastest served placement when both models share one GPU (README, "
+        "Benchmarks); a lost core is a lost replica; 'in_process': both "
         "models inside the Coordinator replica (debugging, Serve's local testing mode).",
     )
     transport: Literal["auto", "actor_calls", "compiled_graph", "sockets"] = Field(
@@ -164,13 +183,7 @@ class PlacementConfig(_Strict):
         model runs inside it (workers 'target_in_coordinator')."""
         if self.workers != "target_in_coordinator":
             return self.coordinator
-        own, target = self.coordinator, self.target
-        resources = dict(own.resources)
-        for name, amount in target.resources.items():
-            resources[name] = resources.get(name, 0.0) + amount
-        return WorkerResources(
-            num_cpus=own.num_cpus + target.num_cpus, num_gpus=target.num_gpus, resources=resources
-        )
+        return self.coordinator.plus(self.target)
 
     def coordinator_bundle(self) -> dict[str, float]:
         """Bundle 0: the Coordinator replica's resources plus the group's node type."""
@@ -461,6 +474,11 @@ class ServeConfig(_Strict):
             raise ValueError(
                 f"placement.transport '{placement.transport}' needs a drafter (mode 'ar' has none)"
             )
+        if placement.workers == "engine_core_colocated" and placement.transport != "auto":
+            raise ValueError(
+                "placement.workers 'engine_core_colocated' has no step hop to transport: "
+                "leave placement.transport 'auto'"
+            )
         if placement.workers in ("target_in_coordinator", "engine_core"):
             if self.engine.mode == "ar":
                 raise ValueError(
@@ -471,7 +489,7 @@ class ServeConfig(_Strict):
                     f"placement.workers '{placement.workers}' reaches its drafter over transport 'sockets'"
                 )
         if placement.overlap:
-            if placement.workers == "in_process":
+            if placement.workers in ("in_process", "engine_core_colocated"):
                 raise ValueError(
                     "placement.overlap needs workers 'actors', 'target_in_coordinator' or "
                     "'engine_core' (two processes to overlap)"

@@ -112,7 +112,7 @@ class Coordinator:
         start_s = time.monotonic()
         load = GroupLoad(config.engine.max_num_seqs)
         self._tokenizer = load_tokenizer(target_dir(config.engine))
-        if config.placement.workers == "engine_core":
+        if config.placement.workers in ("engine_core", "engine_core_colocated"):
             llm, telemetry, actors = self._start_engine_core(config, load, target_factory, drafter_factory)
             self._init_shared(config, llm, telemetry, load, restart=None)
             self._actors = actors
@@ -167,7 +167,8 @@ class Coordinator:
         observer = _step_observer(telemetry, load)
         llm = EngineCoreClient(core, ray.get(core.address.remote()), view, observer)
         telemetry.start_load_gauges(llm)
-        return llm, telemetry, {"target": core, "drafter": drafter_actor}
+        actors = {"target": core} if drafter_actor is None else {"target": core, "drafter": drafter_actor}
+        return llm, telemetry, actors
 
     def _restart_engine(self, lost: AsyncLLM) -> AsyncLLM:
         """The supervisor's restart (blocking, on a worker thread): stop the engine that lost its

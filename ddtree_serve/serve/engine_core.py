@@ -7,7 +7,8 @@ the replica's event loop and Ray's chunk serializer held half of the GIL's time 
 Benchmarks). Here an `EngineCore` actor in the target's bundle holds the target model, the
 `ObservedEngine` and its loop, and reaches the drafter actor over the socket step graph as the
 Coordinator would; the Coordinator keeps Serve's side and an `EngineCoreClient`, an `AsyncLLM`
-whose engine is across one socket:
+whose engine is across one socket. With `placement.workers: engine_core_colocated` the drafter
+model loads in the core as well (vLLM's layout) and a step has no hop at all. The socket:
 
     Coordinator -> core: ("add", request id, prompt token ids, params), ("abort", request id),
                          ("shutdown",)
@@ -20,7 +21,8 @@ token list and rebuilds the `RequestOutput`s, then hands the step record (phases
 request, the budget's choice) to the group's telemetry and load as an engine in this process
 would, so metrics, request spans and their phase spans are the Coordinator's as before.
 
-A lost drafter is handled inside the core as in the other placements. A core that dies (its
+A lost drafter actor is handled inside the core as in the other placements (a colocated drafter
+dies with its core). A core that dies (its
 target) ends the engine: the requests in flight end retriable and the replica fails its health
 check, so Serve replaces the group (no restart in place).
 """
@@ -73,13 +75,22 @@ class CoreInfo:
 class EngineCore:
     """The actor: the target, the engine and its loop, served to one client over a socket."""
 
-    def __init__(self, config: Any, drafter_actor: Any, target_factory: Any = None) -> None:
-        from ddtree_serve.engine.builder import TargetStepFactory, target_dir
+    def __init__(
+        self, config: Any, drafter_actor: Any, target_factory: Any = None, drafter_factory: Any = None
+    ) -> None:
+        """`drafter_actor` None: the drafter model loads here (`engine_core_colocated`, built by
+        `drafter_factory`, none in mode "ar")."""
+        from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory, target_dir
         from ddtree_serve.models import load_tokenizer
         from ddtree_serve.serve.group import local_target_workers
 
         target_factory = target_factory or TargetStepFactory(config.engine)
-        target, drafter = local_target_workers(config, target_factory, drafter_actor)
+        if drafter_actor is not None:
+            target, drafter = local_target_workers(config, target_factory, drafter_actor)
+        else:
+            target = target_factory()
+            has_drafter = config.engine.mode != "ar"
+            drafter = (drafter_factory or DraftStepFactory(config.engine))() if has_drafter else None
         self._record: StepRecord | None = None  # the step's, as the engine reported it
         tokenizer = load_tokenizer(target_dir(config.engine))
         self.engine = group_engine(config, target, drafter, tokenizer, self._keep_record)

@@ -7,8 +7,9 @@ bundle, so the target moves up to bundle 1. The workers are Ray actors in those 
 target inside the replica and the drafter in its actor (placement.workers =
 "target_in_coordinator": bundle 0 then also holds the target's resources; `local_target.py`), the
 target and the engine loop in an `EngineCore` actor in the target's bundle (placement.workers =
-"engine_core"; `engine_core.py`), or
-in-process models inside the replica (placement.workers = "in_process");
+"engine_core"; `engine_core.py`), both models and the loop in that actor (placement.workers =
+"engine_core_colocated": one bundle after the replica's holds the target's and the drafter's
+resources), or in-process models inside the replica (placement.workers = "in_process");
 `placement.transport` picks how the Coordinator reaches the actors (`compiled_graph.py`, over
 Ray's channels or the group's own sockets: `step_sockets.py`), and
 `placement.features` whether context features may stay on a GPU that both actors share
@@ -55,6 +56,8 @@ def placement_bundles(config: ServeConfig) -> list[dict[str, float]]:
     target ranks."""
     placement = config.placement
     bundles = [placement.coordinator_bundle()]
+    if placement.workers == "engine_core_colocated":
+        return [*bundles, colocated_core_resources(config).bundle()]
     if config.engine.mode != "ar":
         bundles.append(placement.drafter.bundle())
     if placement.workers != "target_in_coordinator":  # else bundle 0 holds the target too
@@ -82,7 +85,7 @@ def start_workers(
         drafter_factory = None
     else:
         drafter_factory = drafter_factory or DraftStepFactory(engine_config)
-    if config.placement.workers == "engine_core":
+    if config.placement.workers in ("engine_core", "engine_core_colocated"):
         raise ValueError("an engine core's group starts with start_engine_core (the engine runs there)")
     if config.placement.workers == "in_process":
         return target_factory(), drafter_factory() if drafter_factory is not None else None
@@ -132,21 +135,36 @@ def local_target_workers(
     return graph_workers(target, drafter, config.placement.overlap, "sockets")
 
 
+def colocated_core_resources(config: ServeConfig) -> WorkerResources:
+    """What an `engine_core_colocated` core reserves: the target's resources, plus the drafter's
+    unless mode "ar" has none."""
+    placement = config.placement
+    if config.engine.mode == "ar":
+        return placement.target
+    return placement.target.plus(placement.drafter)
+
+
 def start_engine_core(
     config: ServeConfig,
     target_factory: TargetFactory | None = None,
     drafter_factory: DrafterFactory | None = None,
 ) -> tuple[Any, Any]:
     """The group of `placement.workers: engine_core`: the drafter actor in its bundle and the
-    `EngineCore` actor (target model, engine loop) in the target's, once the core is up
-    -> (core actor, drafter actor)."""
+    `EngineCore` actor (target model, engine loop) in the target's; of `engine_core_colocated`:
+    the core alone in the bundle after the replica's, the drafter model in it too. Returns once
+    the core is up -> (core actor, drafter actor or None)."""
     from ddtree_serve.serve.engine_core import EngineCore
 
-    drafter_actor = _start_drafter(config, drafter_factory or DraftStepFactory(config.engine))
-    options = _worker_options(config.placement.target, TARGET_BUNDLE)
+    drafter_factory = drafter_factory or DraftStepFactory(config.engine)
+    if config.placement.workers == "engine_core_colocated":
+        drafter_actor = None
+        options = _worker_options(colocated_core_resources(config), DRAFTER_BUNDLE)
+    else:
+        drafter_actor = _start_drafter(config, drafter_factory)
+        options = _worker_options(config.placement.target, TARGET_BUNDLE)
     core_actor = ray.remote(EngineCore).options(**options, max_restarts=0)
-    core = core_actor.remote(config, drafter_actor, target_factory)
-    ray.get(core.info.remote())  # the core has loaded its model and built its engine
+    core = core_actor.remote(config, drafter_actor, target_factory, drafter_factory)
+    ray.get(core.info.remote())  # the core has loaded its models and built its engine
     return core, drafter_actor
 
 

@@ -89,11 +89,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     defaults_placement = defaults.placement
     placement.add_argument(
         "--workers",
-        choices=["actors", "target_in_coordinator", "engine_core", "in_process"],
+        choices=["actors", "target_in_coordinator", "engine_core", "engine_core_colocated", "in_process"],
         help="actors: drafter and target actors (a lost target restarts in place); "
         "target_in_coordinator: the target inside the Coordinator replica; engine_core: the target "
-        "and the engine loop in an actor of their own (the fastest served placement on one H200, "
-        "README Benchmarks); in_process: both models in the replica "
+        "and the engine loop in an actor of their own, the drafter in its actor; "
+        "engine_core_colocated: that core with the drafter in it too (no step hop: for both "
+        "models on one GPU, README Benchmarks); in_process: both models in the replica "
         f"{default(defaults_placement.workers)}.",
     )
     placement.add_argument(

@@ -39,6 +39,9 @@ def test_the_default_transport_is_the_socket_graph_wherever_it_applies() -> None
         ({"mode": "ar"}, {"workers": "engine_core"}, "needs a drafter"),
         ({}, {"workers": "engine_core", "transport": "compiled_graph"}, "transport 'sockets'"),
         ({}, {"workers": "engine_core", "tensor_parallel_size": 2}, "needs workers 'actors'"),
+        ({}, {"workers": "engine_core_colocated", "transport": "sockets"}, "no step hop"),
+        ({}, {"workers": "engine_core_colocated", "overlap": True}, "two processes to overlap"),
+        ({}, {"workers": "engine_core_colocated", "tensor_parallel_size": 2}, "needs workers 'actors'"),
     ],
 )
 def test_combinations_that_cannot_run_are_refused(engine: dict, placement: dict, message: str) -> None:
@@ -92,6 +95,30 @@ def test_an_engine_core_takes_the_targets_bundle_and_the_replica_keeps_its_own()
     config = ServeConfig.model_validate({"placement": placement})
     assert config.transport == "sockets"
     assert placement_bundles(config) == [{"CPU": 0.25}, {"CPU": 0.5, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}]
+    actor_options = Coordinator.get_deployment_options(config)["ray_actor_options"]
+    assert actor_options == {"num_cpus": 0.25, "resources": {}}
+    assert not restarts_target_in_place(config)
+
+
+@pytest.mark.parametrize(
+    ("mode", "core_bundle"),
+    [("ddtree", {"CPU": 1.5, "GPU": 1.0, "slot": 1.0}), ("ar", {"CPU": 1.0, "GPU": 0.5, "slot": 1.0})],
+)
+def test_a_colocated_engine_core_reserves_both_models_in_the_bundle_after_the_replicas(
+    mode: str, core_bundle: dict[str, float]
+) -> None:
+    """No drafter bundle: the core that loads the drafter holds its resources (none in mode "ar")."""
+    from ddtree_serve.serve.coordinator import Coordinator
+    from ddtree_serve.serve.group import placement_bundles, restarts_target_in_place
+
+    placement = {
+        "workers": "engine_core_colocated",
+        "coordinator": {"num_cpus": 0.25},
+        "drafter": {"num_cpus": 0.5, "num_gpus": 0.5},
+        "target": {"num_cpus": 1.0, "num_gpus": 0.5, "resources": {"slot": 1.0}},
+    }
+    config = ServeConfig.model_validate({"engine": {"mode": mode}, "placement": placement})
+    assert placement_bundles(config) == [{"CPU": 0.25}, core_bundle]
     actor_options = Coordinator.get_deployment_options(config)["ray_actor_options"]
     assert actor_options == {"num_cpus": 0.25, "resources": {}}
     assert not restarts_target_in_place(config)
