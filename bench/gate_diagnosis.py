@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_sweep  # the sweep this wraps
 
 from ddtree_serve.engine.budget import AdaptiveBudget, DraftGate
+from ddtree_serve.engine.budget.allocator import plain_decode_rate
 from ddtree_serve.engine.budget.step_residual import batch_bucket
 from ddtree_serve.engine.spec_engine import SpecEngine
 
@@ -40,7 +41,10 @@ class Decision:
     rates: list[float]  # predicted tokens/s over the measured step-time ratio
     step_ms: list[float]  # predicted, before the ratio
     ratios: list[float]
-    tokens: list[float]  # forecast tokens of the step (accepted drafts and bonuses)
+    tokens: list[float]  # forecast tokens of the step (accepted drafts and bonuses), corrected
+    plain_rate: float  # a plain step's predicted tokens/s over its measured step-time ratio
+    plain_ms: float  # a plain step's predicted ms, before its ratio
+    plain_ratio: float
 
 
 @dataclass(frozen=True)
@@ -66,14 +70,30 @@ def hook() -> None:
     pending: dict[int, tuple[int, int, int, float, bool]] = {}
 
     def priced(self: DraftGate, acceptance, caps, cost, build, layout, overhead):
-        ceilings, rates, step_ms = drafted_ceilings(self, acceptance, caps, cost, build, layout, overhead)
+        ceilings, rates, step_ms, forecast = drafted_ceilings(
+            self, acceptance, caps, cost, build, layout, overhead
+        )
         batch_size = len(caps)
         ratios = [self.residual.ratio(batch_size, c) for c in ceilings]
-        tokens = (rates * np.asarray(ratios) * step_ms / 1000.0).tolist()
+        token_ratios = [self.token_residual.ratio(batch_size, c) for c in ceilings]
+        tokens = (forecast * np.asarray(token_ratios)).tolist()
+        plain_ratio = self.residual.ratio(batch_size, 0)
+        plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / plain_ratio
+        plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
         decisions[batch_bucket(batch_size)].append(
-            Decision(batch_size, list(ceilings), rates.tolist(), step_ms.tolist(), ratios, tokens)
+            Decision(
+                batch_size,
+                list(ceilings),
+                rates.tolist(),
+                step_ms.tolist(),
+                ratios,
+                tokens,
+                plain_rate,
+                plain_ms,
+                plain_ratio,
+            )
         )
-        return ceilings, rates, step_ms
+        return ceilings, rates, step_ms, forecast
 
     def observed(self: AdaptiveBudget, trees, accepted, padded_num_nodes=None):
         step = observe(self, trees, accepted, padded_num_nodes)
@@ -122,6 +142,11 @@ def report(last: int = 20) -> list[str]:
         recent = decisions[bucket][-last:]
         sizes = sorted({d.batch_size for d in recent})
         lines.append(f"== batch bucket {bucket}: the last {len(recent)} decisions (batch sizes {sizes})")
+        lines.append(
+            f"  plain      : rate {statistics.mean(d.plain_rate for d in recent):9.1f} tok/s, "
+            f"predicted {statistics.mean(d.plain_ms for d in recent):6.2f} ms x ratio "
+            f"{statistics.mean(d.plain_ratio for d in recent):4.2f}"
+        )
         for j, ceiling in enumerate(recent[-1].ceilings):
             rows = [d for d in recent if len(d.ceilings) > j and d.ceilings[j] == ceiling]
             lines.append(

@@ -27,6 +27,7 @@ from ddtree_serve.engine.budget.policy import (
     NODE_LESSON_INTERVAL,
     SETTLED_LESSON_INTERVAL,
 )
+from ddtree_serve.engine.budget.step_residual import StepResidual
 from ddtree_serve.tree import TreeBatch, build_ddtree, draft_topk
 
 CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5])
@@ -584,8 +585,11 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
     """Where node lessons are dear (share 0), a settled step arms a cruise. Cruising through it
     (no `plan`, each step `cruised`) reaches the gate's next decision at the same step, with the
     same choice and probe count, as asking `plan` at every step, whether the probe or the
-    recheck ends the streak; a cruising step's record is a drafted one at the settled width."""
+    recheck ends the streak; a cruising step's record is a drafted one at the settled width.
+    The gate's tokens ratios stay frozen: asking teaches them at each held step and cruising
+    does not (as it skips the step-time lessons), which is not the schedule compared here."""
     policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
+    policy.gate.token_residual = StepResidual(frozen=True, mean=True)
     run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 4, cost_per_node=0.0)
     cruise_lengths, ends = [], set()
     teaching_settled = 0  # settled steps that left a node lesson: they arm no cruise
@@ -725,9 +729,9 @@ def test_a_decisions_own_host_time_is_not_charged_to_its_ceiling(monkeypatch):
     taught: list[float] = []
     record = policy.gate.record_step_ms
 
-    def recording(step_ms: float) -> None:
+    def recording(step_ms: float, tokens: int | None = None) -> None:
         taught.append(step_ms)
-        record(step_ms)
+        record(step_ms, tokens)
 
     slow_plan = policy._plan
 

@@ -256,3 +256,64 @@ def test_a_ceiling_turned_away_from_does_not_fade_below_the_machines_level():
         residual.observe(8, 0, predicted_ms=20.0, measured_ms=22.0)
     assert residual.ratio(8, 8) == pytest.approx(1.1, abs=0.01)
     assert residual.ratio(8, 0) == pytest.approx(1.1, abs=0.01)
+
+
+def test_the_tokens_table_takes_its_windows_mean_not_its_median():
+    """A drafted step's tokens are skewed (mostly a few, now and then many): their ratio to
+    the forecast is the window's mean, which the median would put low."""
+    tokens, times = StepResidual(mean=True), StepResidual()
+    samples = [1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 1.0]  # made / forecast, mean 11 / 7
+    for sample in samples:
+        tokens.observe(1, 8, predicted_ms=1.0, measured_ms=sample)
+        times.observe(1, 8, predicted_ms=1.0, measured_ms=sample)
+    trust = len(samples) / (len(samples) + SHRINK_SAMPLES)
+    level = 1.0 + trust * (np.mean(samples) - 1.0)  # the bucket's level: the same samples
+    assert tokens.ratio(1, 8) == pytest.approx(level + trust * (np.mean(samples) - level))
+    assert times.ratio(1, 8) < 1.2  # the median of the same samples: 1.0, shrunk to nothing
+
+
+def forecast_gate() -> DraftGate:
+    gate = DraftGate(probe_interval=4)
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    return gate
+
+
+def drafted_steps(gate: DraftGate, made_over_forecast: float, steps: int) -> list[bool]:
+    """Whether each of `steps` steps drafts (probes after plain steps not counted) when drafting
+    is forecast 11% above plain decoding (batch 2, flat 4 ms verifies, a 29 ms drafter call) and
+    each drafted step takes its predicted time and makes `made_over_forecast` of the tokens it
+    forecast."""
+    cost = flat_cost(verify_ms=4.0, draft_ms=29.0)
+    drafted = []
+    for _ in range(steps):
+        ceiling = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
+        drafted.append(ceiling > 0 and not gate.probing)
+        decided = gate._decided  # (batch, ceiling, predicted ms, forecast tokens), or None
+        if decided is None:
+            gate.record_step_ms(33.0 if ceiling else 4.0)
+        else:
+            gate.record_step_ms(decided[2], round(made_over_forecast * decided[3]) if ceiling else 2)
+    return drafted
+
+
+def drafting_share(made_over_forecast: float) -> float:
+    return float(np.mean(drafted_steps(forecast_gate(), made_over_forecast, 60)))
+
+
+def test_drafted_steps_that_make_fewer_tokens_than_forecast_turn_the_gate_to_plain_decoding():
+    """The forecast prices drafting 11% above a plain step. Steps that make what it says keep
+    the gate drafting; steps that make 70% of it (a mean curve over requests of unlike trees, a
+    drafter worse than its calibration) make drafting a 22% loss, and the gate learns so from
+    the tokens its steps made and decodes plainly but for its probes."""
+    assert drafting_share(1.0) == 1.0
+    assert drafting_share(0.7) < 0.25
+
+
+def test_a_gate_turned_plain_by_its_tokens_tries_drafting_again_as_they_fade():
+    """Drafted steps made 70% of their forecast and the gate decodes plainly; its probes teach
+    no tokens ratio (they draft a few requests of a batch), so the plain steps age it: once it
+    has faded the gate drafts again, and now that drafted steps make their forecast it stays."""
+    gate = forecast_gate()
+    assert not any(drafted_steps(gate, 0.7, 60)[-20:])
+    again = drafted_steps(gate, 1.0, 400)
+    assert sum(again[-100:]) >= 90

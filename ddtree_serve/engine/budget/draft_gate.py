@@ -7,7 +7,11 @@ that ceiling's build and the verify forward as the step's cost; ceiling 0 is a p
 (no drafter call, root-only trees). The best one wins. The first step, with no curve yet, takes
 the widest ceiling that costs at most a few plain steps. Each candidate's predicted rate is
 divided by the measured-over-predicted step time of its ceiling (`step_residual.py`), so what
-the models leave out is judged by what steps took. After a few steps at one choice (2 at a new
+the models leave out is judged by what steps took, and multiplied by the tokens its steps made
+over the tokens it forecast (`token_residual`): pricing every request by the batch's mean curve
+forecast the drafted steps on the CI CPU at batch 4-8 4-7% above what they made (the requests'
+own trees, which the steps verify, were forecast within 2%), enough to hold drafting where plain
+decoding won by 7-15%. After a few steps at one choice (2 at a new
 batch bucket, doubling to `probe_interval` after each probe), one step builds alternately wider
 (twice the choice: the curve past the chosen width stays current and the engine can widen again
 when acceptance or load changes) and narrower (the next candidate below: its measured ratio
@@ -132,11 +136,15 @@ class DraftGate:
         self._streak_batch = 0  # the batch size the streak was decided at
         self._streak_prices = (0.0, 0.0)  # plain step and drafter call, predicted when decided
         self.residual = StepResidual()
+        # Per (batch bucket, ceiling): tokens a drafted step made over the tokens it forecast.
+        self.token_residual = StepResidual(mean=True)
         self._next_probe_wider = True  # a drafting probe's direction: it flips at each one
-        # (batch size, ceiling, predicted step ms) of the step the last `ceiling` decided, for
-        # `record_step_ms`; None when that step teaches no ratio (the first step, a probe after
-        # plain steps, a drafting streak's step at another batch than it was decided for).
-        self._decided: tuple[int, int, float] | None = None
+        # (batch size, ceiling, predicted step ms, forecast tokens) of the step the last
+        # `ceiling` decided, for `record_step_ms`; None when that step teaches no ratio (the
+        # first step, a probe after plain steps, a drafting streak's step at another batch than
+        # it was decided for).
+        self._decided: tuple[int, int, float, float] | None = None
+        self._streak_tokens = 0.0  # the streak's forecast tokens a step (a drafting one's)
 
     def ceiling(
         self,
@@ -191,29 +199,32 @@ class DraftGate:
             choice = min(self._streak_choice, cap)
             self.kept = choice > 0 and choice == self._streak_choice
             if choice == 0:
-                self._decided = (batch_size, 0, plain_ms)  # its price is read again every step
+                # Its price is read again every step.
+                self._decided = (batch_size, 0, plain_ms, float(batch_size))
             elif batch_size == self._streak_batch and choice == self._streak_choice:
                 # A drafting streak's prediction was made for the batch and cap it was decided
                 # at: a smaller batch, or trees cut by a smaller cap, would teach a biased ratio.
-                self._decided = (batch_size, choice, self._streak_ms)
+                self._decided = (batch_size, choice, self._streak_ms, self._streak_tokens)
                 self.held = True
             return choice
         if self.curve is None:
             best = drafted = self._first_ceiling(caps, cost, build, overhead)
             predicted_ms: dict[int, float] = {}
+            predicted_tokens: dict[int, float] = {}
         else:
             acceptance = self.curve if calibrate is None else calibrate(self.curve) * self.spread
-            candidates, rates, step_ms = self._drafted_ceilings(
+            candidates, rates, step_ms, tokens = self._drafted_ceilings(
                 acceptance, caps, cost, build, layout, overhead
             )
             predicted_ms = dict(zip(candidates, step_ms.tolist(), strict=True))
+            predicted_tokens = dict(zip(candidates, tokens.tolist(), strict=True))
             pick = int(np.argmax(rates))  # the first (narrowest) of equal rates
             drafted, drafted_rate = candidates[pick], float(rates[pick])
             plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / self.residual.ratio(
                 batch_size, 0
             )
             best = drafted if drafted_rate > plain_rate or learning else 0
-        predicted_ms[0] = plain_ms
+        predicted_ms[0], predicted_tokens[0] = plain_ms, float(batch_size)
         if streak[0] != self._probe_bucket:  # another load: its neighbours at its own interval
             first = min(FIRST_PROBE_INTERVAL, self.probe_interval)
             self.drafted_probe_interval = self._drafted_probe_intervals.get(streak[0], first)
@@ -239,7 +250,7 @@ class DraftGate:
         if not self.probing and not learning and chosen in predicted_ms:
             # A probe after plain steps drafts a few requests only, catching up, and a learning
             # step verifies its trees whole, wider than priced: neither teaches a ratio.
-            self._decided = (batch_size, chosen, predicted_ms[chosen])
+            self._decided = (batch_size, chosen, predicted_ms[chosen], predicted_tokens[chosen])
         # A probe after plain steps, or the first step, is its own decision; the best choice
         # starts a streak, and so does a probe of its neighbours, which the next step resumes
         # without deciding unless the probe's step moved its ceiling's price (`record_step_ms`):
@@ -251,6 +262,7 @@ class DraftGate:
         choice = best if self.probing_neighbour else chosen
         self._streak_choice, self._streak_age, self._streak_batch = choice, 0, batch_size
         self._streak_ms = predicted_ms.get(choice, 0.0)
+        self._streak_tokens = predicted_tokens.get(choice, 0.0)
         self._streak_prices = (plain_ms, draft_ms)
         return chosen
 
@@ -335,17 +347,29 @@ class DraftGate:
         if self.probing and plain_ms > 0.0:
             self.probe_costs[batch_bucket(batch_size)] = max(step_ms / plain_ms - 1.0, 0.0)
 
-    def record_step_ms(self, step_ms: float) -> None:
-        """The wall time of the step the last `ceiling` decided: teaches that ceiling's ratio
-        (the policy gives none of a step whose draft caught up on context). A probe of the
-        choice's neighbours whose step moved its ceiling's ratio by more than `RECHECK_SHIFT`
-        ends the streak it would resume: the next step decides with that price."""
+    def record_step_ms(self, step_ms: float, tokens: int | None = None) -> None:
+        """The wall time of the step the last `ceiling` decided, and the tokens it made (its
+        accepted draft tokens and bonuses; None: unknown): teach that ceiling's ratios (the
+        policy gives none of a step whose draft caught up on context). A probe of the choice's
+        neighbours whose step moved its ceiling's time ratio by more than `RECHECK_SHIFT` ends
+        the streak it would resume: the next step decides with that price.
+
+        A step that teaches no tokens ratio (a plain one, a probe after plain steps) still ages
+        the ratios: a gate that turned to plain steps on drafted steps that made little tries
+        drafting again as the ratios fade (`STALE_HALF_LIFE_STEPS`); probes alone cannot teach
+        them (they draft a few requests of the batch)."""
+        taught_tokens = False
         if self._decided is not None:
-            batch_size, ceiling, predicted_ms = self._decided
+            batch_size, ceiling, predicted_ms, predicted_tokens = self._decided
             before = self.residual.ratio(batch_size, ceiling) if self.probing_neighbour else 0.0
             self.residual.observe(batch_size, ceiling, predicted_ms, step_ms)
+            if ceiling > 0 and tokens is not None:  # a plain step's tokens are its batch
+                self.token_residual.observe(batch_size, ceiling, predicted_tokens, tokens)
+                taught_tokens = True
             if before and abs(self.residual.ratio(batch_size, ceiling) - before) > RECHECK_SHIFT * before:
                 self._streak = None
+        if not taught_tokens:
+            self.token_residual.age()
         self._decided = None
 
     def _drafted_ceilings(
@@ -356,9 +380,10 @@ class DraftGate:
         build: BuildCost,
         layout: TokenLayout,
         overhead: StepOverhead,
-    ) -> tuple[list[int], np.ndarray, np.ndarray]:
-        """The drafting ceilings, their predicted rates over their measured ratios, and their
-        predicted step milliseconds (the models' own, which the ratios are learned against).
+    ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+        """The drafting ceilings, their predicted rates corrected by their measured ratios (tokens
+        made over forecast, step time taken over predicted), and their predicted step
+        milliseconds and tokens (the models' own, which the ratios are learned against).
         `acceptance`: the recent curve, calibrated."""
         batch_size = len(caps)
         candidates = powers_of_two_upto(max(caps))
@@ -366,8 +391,10 @@ class DraftGate:
         build_ms = build.ms(batch_size, nodes_built, np.minimum(candidates, max(caps)))
         draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms + build_ms
         rates, step_ms = ceiling_rates(acceptance, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
-        ratios = np.array([self.residual.ratio(batch_size, c) for c in candidates])
-        return candidates, rates / ratios, step_ms
+        tokens = rates * step_ms / 1000.0
+        made, took = self.token_residual, self.residual
+        ratios = np.array([made.ratio(batch_size, c) / took.ratio(batch_size, c) for c in candidates])
+        return candidates, rates * ratios, step_ms, tokens
 
     @staticmethod
     def _first_ceiling(caps: Sequence[int], cost: StepCost, build: BuildCost, overhead: StepOverhead) -> int:

@@ -613,7 +613,8 @@ class AdaptiveBudget:
             self._mean_deciding_ms[drafted] = mean
             # Not when the drafter was lost, nor when captured graphs cut the ceiling's trees.
             if drafted == (self._ceiling > 0) and not self._graph_capped:
-                self.gate.record_step_ms(step_ms - self._deciding_ms + mean)
+                tokens = self.last_step.accepted + len(self.last_step.num_nodes)
+                self.gate.record_step_ms(step_ms - self._deciding_ms + mean, tokens)
         self._priced_ms = None
         self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing
 

@@ -24,6 +24,11 @@ step (on the CI CPU plain steps ran 1.05-1.15x their prediction at batch 8). A r
 1 while the ceilings still taken kept theirs above it made the ceilings turned away from look
 cheaper than they are, and the gate went back to steps it had measured as a loss. A ceiling
 never taken at a bucket reads its nearest taken drafting ceiling's ratio, or the level.
+
+The gate keeps a second table of the same kind for the tokens a drafted step made over the
+tokens it forecast (`DraftGate.token_residual`), with the window's mean in place of its median:
+a step's accepted tokens are bounded and skewed (at batch 1 mostly 1-4, sometimes 10), so their
+median sits below their mean, and a median would price drafting low where it wins by little.
 """
 
 import statistics
@@ -53,28 +58,31 @@ class _Ratio:
     recent: deque[float]  # the last `WINDOW` samples
     samples: int
     last_step: int  # the residual's step count at its last sample
-    median: float = 1.0
+    center: float = 1.0  # the recent samples' median (or mean)
 
     def value(self, step: int, toward: float = 1.0) -> float:
-        """The recent median, shrunk and faded toward `toward`."""
+        """The recent median (or mean), shrunk and faded toward `toward`."""
         trust = self.samples / (self.samples + SHRINK_SAMPLES)
         trust *= 0.5 ** ((step - self.last_step) / STALE_HALF_LIFE_STEPS)
-        return toward + trust * (self.median - toward)
+        return toward + trust * (self.center - toward)
 
-    def add(self, sample: float, step: int) -> None:
+    def add(self, sample: float, step: int, mean: bool) -> None:
         self.recent.append(sample)
         self.samples += 1
         self.last_step = step
-        self.median = statistics.median(self.recent)  # a few samples: no array round trip
+        # A few samples: no array round trip.
+        self.center = statistics.fmean(self.recent) if mean else statistics.median(self.recent)
 
 
 @dataclass
 class StepResidual:
     """Measured / predicted step time per (batch bucket, ceiling); 1.0 where nothing is known.
 
-    `frozen` keeps it at 1.0 (the models alone decide)."""
+    `frozen` keeps it at 1.0 (the models alone decide); `mean`: each ratio is its window's mean,
+    not its median (the tokens' table, module docstring)."""
 
     frozen: bool = False
+    mean: bool = False
     _ratios: dict[tuple[int, int], _Ratio] = field(default_factory=dict)
     _levels: dict[int, _Ratio] = field(default_factory=dict)  # per bucket, every ceiling's samples
     _steps: int = 0  # steps observed, any ceiling: the clock ratios go stale by
@@ -96,6 +104,11 @@ class StepResidual:
             return level if ceiling > 0 else 1.0
         return known.value(self._steps, toward=level)
 
+    def age(self) -> None:
+        """A step that teaches this table nothing: its ratios grow one step staler."""
+        if not self.frozen:
+            self._steps += 1
+
     def observe(self, batch_size: int, ceiling: int, predicted_ms: float, measured_ms: float) -> None:
         """One step at `ceiling` (0: plain) over `batch_size` requests, predicted and measured."""
         if predicted_ms <= 0.0 or measured_ms <= 0.0 or self.frozen:
@@ -107,4 +120,4 @@ class StepResidual:
             ratio = table.get(key)
             if ratio is None:  # built only when missing: this runs every step
                 ratio = table[key] = _Ratio(deque(maxlen=WINDOW), 0, self._steps)
-            ratio.add(sample, self._steps)
+            ratio.add(sample, self._steps, self.mean)
