@@ -489,7 +489,7 @@ def main() -> None:
         "Coordinator replica and the drafter in its actor, the target and the engine loop in an "
         "engine core actor, that core with the drafter in it too, or both models inside the "
         "replica. The last two have no step hop: they run once per interval, overlap off, "
-        "whatever --transport lists.",
+        "whatever --transport and --overlap list.",
     )
     parser.add_argument(
         "--transport",
@@ -564,7 +564,7 @@ def main() -> None:
         for f in args.features
         if c == "off" or (t != "actor_calls" and o == "off")  # chaining changes nothing elsewhere
         if w not in ("target_in_coordinator", "engine_core") or t == "sockets"  # their one transport
-        if w not in HOPLESS_WORKERS or (t == args.transport[0] and o == "off")
+        if w not in HOPLESS_WORKERS or (t == args.transport[0] and o == args.overlap[0])
     ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
     ports = {"http": {"port": free_port()}, "grpc": {"port": free_port()}}
@@ -576,7 +576,7 @@ def main() -> None:
             placement={  # type: ignore[arg-type]
                 "workers": workers,
                 "transport": "auto" if workers in HOPLESS_WORKERS else transport,
-                "overlap": overlap,
+                "overlap": overlap and workers not in HOPLESS_WORKERS,
                 "chain_drafts": chained,
                 "features": features,
                 "coordinator": {"num_cpus": 0.1},

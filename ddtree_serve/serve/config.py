@@ -194,11 +194,20 @@ class PlacementConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_bundles(self) -> "PlacementConfig":
+        colocated = self.workers == "engine_core_colocated"
         bundles = {
             "coordinator": self.coordinator_bundle(),  # bundle 0 also holds the node type
-            "drafter": self.drafter.bundle(),
             "target": self.target.bundle(),
         }
+        if not colocated:  # else the drafter's resources join the core's bundle, if any
+            bundles["drafter"] = self.drafter.bundle()
+        if colocated and self.drafter.num_gpus >= 1:
+            raise ValueError(
+                f"placement.drafter.num_gpus {self.drafter.num_gpus} with workers "
+                "'engine_core_colocated': both models run on engine.device in the core, so a "
+                "GPU of the drafter's own would sit idle; share the target's (e.g. 0.5 each) or "
+                "reserve none"
+            )
         for role, bundle in bundles.items():
             if not bundle:
                 raise ValueError(

@@ -258,18 +258,20 @@ def test_a_ceiling_turned_away_from_does_not_fade_below_the_machines_level():
     assert residual.ratio(8, 0) == pytest.approx(1.1, abs=0.01)
 
 
-def test_the_tokens_table_takes_its_windows_mean_not_its_median():
+def test_the_tokens_table_takes_its_windows_trimmed_mean_not_its_median():
     """A drafted step's tokens are skewed (mostly a few, now and then many): their ratio to
-    the forecast is the window's mean, which the median would put low."""
+    the forecast is the window's mean without its highest and lowest sample, which the median
+    would put low."""
     tokens, times = StepResidual(mean=True), StepResidual()
-    samples = [1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 1.0]  # made / forecast, mean 11 / 7
+    samples = [1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 1.0]  # made / forecast
     for sample in samples:
         tokens.observe(1, 8, predicted_ms=1.0, measured_ms=sample)
         times.observe(1, 8, predicted_ms=1.0, measured_ms=sample)
+    trimmed = np.mean(sorted(samples)[1:-1])  # 7 / 5
     trust = len(samples) / (len(samples) + SHRINK_SAMPLES)
-    level = 1.0 + trust * (np.mean(samples) - 1.0)  # the bucket's level: the same samples
-    assert tokens.ratio(1, 8) == pytest.approx(level + trust * (np.mean(samples) - level))
-    assert times.ratio(1, 8) < 1.2  # the median of the same samples: 1.0, shrunk to nothing
+    level = 1.0 + trust * (trimmed - 1.0)  # the bucket's level: the same samples
+    assert tokens.ratio(1, 8) == pytest.approx(level + trust * (trimmed - level))
+    assert times.ratio(1, 8) == pytest.approx(1.0)  # the median of the same samples
 
 
 def forecast_gate() -> DraftGate:
@@ -317,3 +319,22 @@ def test_a_gate_turned_plain_by_its_tokens_tries_drafting_again_as_they_fade():
     assert not any(drafted_steps(gate, 0.7, 60)[-20:])
     again = drafted_steps(gate, 1.0, 400)
     assert sum(again[-100:]) >= 90
+
+
+def test_a_drafted_step_whose_trees_a_requests_end_cut_teaches_no_tokens_ratio():
+    """The gate forecast whole trees; a step whose request could keep only its last tokens makes
+    few whatever the drafter: its tokens teach nothing (the same step uncut does)."""
+    tree = TreeBatch.from_trees([build_chain(np.arange(1, 9, dtype=np.int64), 7, np.full(8, -0.01))])
+    ratios = []
+    for cut in (None, np.array([True])):
+        policy = AdaptiveBudget(flat_cost(verify_ms=2.0, draft_ms=1.0), learning_steps=0)
+        policy.gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+        ceiling = policy.plan([8])
+        assert ceiling > 0
+        policy.record_draft_ms(1.0)
+        allocation = policy.choose(tree, [8], None, cut)
+        policy.record_verify_ms(2.0)
+        policy.observe(tree.prefix(allocation.num_nodes), [[]])  # nothing accepted
+        policy.record_step_ms(3.0)
+        ratios.append(policy.gate.token_residual.ratio(1, ceiling))
+    assert ratios[0] < 1.0 and ratios[1] == 1.0

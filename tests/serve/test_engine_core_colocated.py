@@ -25,7 +25,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dirs: TinyModelDirs) -> Iterator[ServeCluster]:
-    yield from bundled_group(tiny_model_dirs, "engine_core_colocated")
+    """Half a fake GPU each, as on one real GPU: the core reserves the whole one."""
+    yield from bundled_group(
+        tiny_model_dirs,
+        "engine_core_colocated",
+        drafter={"num_cpus": 0.25, "num_gpus": 0.5},
+        target={"num_cpus": 0.25, "num_gpus": 0.5},
+    )
 
 
 def test_the_core_holds_both_models_gpus_in_one_bundle_and_no_drafter_actor_starts(
@@ -35,8 +41,8 @@ def test_the_core_holds_both_models_gpus_in_one_bundle_and_no_drafter_actor_star
 
     groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
     bundles = [[dict(b) for b in g["bundles"].values()] for g in groups]
-    assert [{"CPU": 0.25}, {"CPU": 0.5, "GPU": 2.0}] in bundles  # the target's and the drafter's
-    assert ray.available_resources().get("GPU", 0) == 0
+    assert [{"CPU": 0.25}, {"CPU": 0.5, "GPU": 1.0}] in bundles  # the target's and the drafter's
+    assert ray.available_resources().get("GPU", 0) == 1.0  # of the cluster's two
     assert set(group_identity(cluster)) == {"target"}  # the core
 
 

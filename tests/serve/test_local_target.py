@@ -41,13 +41,13 @@ PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(10
 STREAM_TOKENS = 160  # long enough that the kill lands mid-stream
 
 
-def bundled_group(tiny_model_dirs: TinyModelDirs, workers: str) -> Iterator[ServeCluster]:
+def bundled_group(tiny_model_dirs: TinyModelDirs, workers: str, **placement: Any) -> Iterator[ServeCluster]:
     """The bundled pair served with `placement.workers` `workers` on two fake GPUs (this module's
-    group and the engine core's)."""
+    group and the engine cores'), `placement`'s other fields merged in."""
     raw = tiny_serve_config(
         tiny_model_dirs,
         engine={"max_seq_len": 512, "max_num_seqs": 4, "max_queue_len": 8, "budget": 8},
-        placement=on_two_fake_gpus(workers=workers),
+        placement=on_two_fake_gpus(workers=workers, **placement),
     )
     yield from start_serve_cluster(on_the_bundled_pair(raw), num_gpus=2)
 

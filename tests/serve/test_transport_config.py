@@ -42,6 +42,7 @@ def test_the_default_transport_is_the_socket_graph_wherever_it_applies() -> None
         ({}, {"workers": "engine_core_colocated", "transport": "sockets"}, "no step hop"),
         ({}, {"workers": "engine_core_colocated", "overlap": True}, "two processes to overlap"),
         ({}, {"workers": "engine_core_colocated", "tensor_parallel_size": 2}, "needs workers 'actors'"),
+        ({}, {"workers": "engine_core_colocated", "drafter": {"num_gpus": 1}}, "sit idle"),
     ],
 )
 def test_combinations_that_cannot_run_are_refused(engine: dict, placement: dict, message: str) -> None:
@@ -122,3 +123,13 @@ def test_a_colocated_engine_core_reserves_both_models_in_the_bundle_after_the_re
     actor_options = Coordinator.get_deployment_options(config)["ray_actor_options"]
     assert actor_options == {"num_cpus": 0.25, "resources": {}}
     assert not restarts_target_in_place(config)
+
+
+def test_a_colocated_drafter_may_reserve_nothing_of_its_own():
+    """Its model runs in the core: a drafter of no resources is no empty bundle there."""
+    from ddtree_serve.serve.group import placement_bundles
+
+    placement = {"workers": "engine_core_colocated", "drafter": {"num_cpus": 0}}
+    assert placement_bundles(ServeConfig.model_validate({"placement": placement}))[1] == {"CPU": 0.25}
+    with pytest.raises(ValidationError, match="cannot be empty"):
+        ServeConfig.model_validate({"placement": {**placement, "workers": "engine_core"}})

@@ -162,8 +162,9 @@ class DraftGate:
         `learning`: the acceptance forecast rests on too few verified steps to judge drafting
         by (the policy's calibrator has learned few): draft at the best drafting ceiling, and
         hold no streak, so each such step decides with what the last one taught.
-        Each candidate's predicted rate is divided by its measured step-time ratio
-        (`step_residual.py`); `record_step_ms` teaches that ratio from the step this chose.
+        Each candidate's predicted rate is divided by its measured step-time ratio and
+        multiplied by its made-over-forecast tokens ratio (`step_residual.py`); `record_step_ms`
+        teaches both from the step this chose.
         `calibrate`: the acceptance of drafter probabilities (None: the curve is acceptance)."""
         overhead = overhead or StepOverhead()
         self._decided = None
@@ -354,10 +355,12 @@ class DraftGate:
         neighbours whose step moved its ceiling's time ratio by more than `RECHECK_SHIFT` ends
         the streak it would resume: the next step decides with that price.
 
-        A step that teaches no tokens ratio (a plain one, a probe after plain steps) still ages
-        the ratios: a gate that turned to plain steps on drafted steps that made little tries
-        drafting again as the ratios fade (`STALE_HALF_LIFE_STEPS`); probes alone cannot teach
-        them (they draft a few requests of the batch)."""
+        A step given here that teaches no tokens ratio (a plain one, a probe after plain steps,
+        one whose trees a request's end cut) still ages the ratios, so a gate that turned to
+        plain steps on drafted steps that made little tries drafting again as they fade
+        (`STALE_HALF_LIFE_STEPS`); probes alone cannot teach them (they draft a few requests of
+        the batch). Cruising steps, which the policy does not give here, neither teach nor age
+        them."""
         taught_tokens = False
         if self._decided is not None:
             batch_size, ceiling, predicted_ms, predicted_tokens = self._decided

@@ -190,6 +190,9 @@ class AdaptiveBudget:
         self._lesson: _Lesson | None = None  # the last observed step's, until `learn`
         self._catching_up = False  # the step's draft took more context than one step's
         self._graph_capped = False  # captured verify graphs cut the step below its ceiling
+        # A request's end cut some of the step's trees: its tokens say nothing of the ceiling's
+        # whole trees, which the gate forecast (`DraftGate.token_residual`).
+        self._depth_cut = False
         # Verified nodes (drafter probabilities, accepted or not) of drafted steps not yet taught
         # to the calibrator: it learns `CALIBRATION_STEPS` steps' at once (one update, one refit).
         self._calibration_batch: list[tuple[np.ndarray, np.ndarray]] = []
@@ -219,7 +222,7 @@ class AdaptiveBudget:
         self._cruise = None
         self._cap_bucket = batch_bucket(max(caps, default=0))
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
-        self._catching_up = self._graph_capped = False
+        self._catching_up = self._graph_capped = self._depth_cut = False
         if (
             self.gate.curve is None
             or self._num_calibrations < self.learning_steps
@@ -382,6 +385,7 @@ class AdaptiveBudget:
         lesson waits for this step's verify, whose device work hides it (`learn`)."""
         widest = min(self._ceiling, max(caps, default=0))  # what the step's trees may reach
         self._graph_capped = captured is not None and captured[-1] - 1 < widest
+        self._depth_cut = cut_rows is not None and bool(np.any(cut_rows))
         if self.settled and self._weighed is not None and self.layout == "padded":
             settled = self._settled_choice(trees, caps, captured, self._weighed[1])
             if settled is not None:
@@ -613,7 +617,8 @@ class AdaptiveBudget:
             self._mean_deciding_ms[drafted] = mean
             # Not when the drafter was lost, nor when captured graphs cut the ceiling's trees.
             if drafted == (self._ceiling > 0) and not self._graph_capped:
-                tokens = self.last_step.accepted + len(self.last_step.num_nodes)
+                step = self.last_step
+                tokens = None if self._depth_cut else step.accepted + len(step.num_nodes)
                 self.gate.record_step_ms(step_ms - self._deciding_ms + mean, tokens)
         self._priced_ms = None
         self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing

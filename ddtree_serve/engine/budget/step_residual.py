@@ -26,9 +26,11 @@ cheaper than they are, and the gate went back to steps it had measured as a loss
 never taken at a bucket reads its nearest taken drafting ceiling's ratio, or the level.
 
 The gate keeps a second table of the same kind for the tokens a drafted step made over the
-tokens it forecast (`DraftGate.token_residual`), with the window's mean in place of its median:
-a step's accepted tokens are bounded and skewed (at batch 1 mostly 1-4, sometimes 10), so their
-median sits below their mean, and a median would price drafting low where it wins by little.
+tokens it forecast (`DraftGate.token_residual`), with the window's trimmed mean (its highest and
+lowest samples dropped once it holds five) in place of its median: a step's accepted tokens are
+skewed (at batch 1 mostly 1-4, sometimes 10), so their median sits below their mean and would
+price drafting low where it wins by little, while one lucky step would move a plain mean of
+seven by a seventh of its excess.
 """
 
 import statistics
@@ -71,15 +73,22 @@ class _Ratio:
         self.samples += 1
         self.last_step = step
         # A few samples: no array round trip.
-        self.center = statistics.fmean(self.recent) if mean else statistics.median(self.recent)
+        if not mean:
+            self.center = statistics.median(self.recent)
+        elif len(self.recent) >= 5:
+            self.center = statistics.fmean(sorted(self.recent)[1:-1])
+        else:
+            self.center = statistics.fmean(self.recent)
 
 
 @dataclass
 class StepResidual:
     """Measured / predicted step time per (batch bucket, ceiling); 1.0 where nothing is known.
+    The same table serves made / forecast tokens (`mean`, module docstring): `observe`'s
+    `predicted_ms` and `measured_ms` are then the step's forecast and made tokens.
 
-    `frozen` keeps it at 1.0 (the models alone decide); `mean`: each ratio is its window's mean,
-    not its median (the tokens' table, module docstring)."""
+    `frozen` keeps it at 1.0 (the models alone decide); `mean`: each ratio is its window's
+    trimmed mean, not its median."""
 
     frozen: bool = False
     mean: bool = False
