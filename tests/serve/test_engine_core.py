@@ -17,7 +17,14 @@ import pytest
 from ddtree_serve.engine.llm import LLM
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import ServeCluster
-from tests.serve.test_faults import completion_body, greedy, group_identity, health, wait_until
+from tests.serve.test_faults import (
+    completion_body,
+    greedy,
+    group_identity,
+    health,
+    kill_for_good_mid_request,
+    wait_until,
+)
 from tests.serve.test_local_target import (
     PROMPTS,
     bundled_group,
@@ -65,7 +72,11 @@ def test_http_and_grpc_streams_equal_the_in_process_engine_and_speculate(
 
 
 def test_a_stream_left_early_frees_its_slot_in_the_core(cluster: ServeCluster) -> None:
-    """The abort reaches the core: the request ends within a few steps of the caller leaving,
+    check_a_stream_left_early_frees_its_slot(cluster)
+
+
+def check_a_stream_left_early_frees_its_slot(cluster: ServeCluster) -> None:
+    """The abort reaches the engine: the request ends within a few steps of the caller leaving,
     not after the ~400 tokens it asked for (at tau ~2.5, ~160 steps)."""
 
     async def run() -> tuple[int, dict[str, Any]]:
@@ -100,29 +111,9 @@ def test_a_core_that_dies_ends_its_requests_retriable_and_serve_replaces_the_gro
     """The core holds the target: killing it ends the request in flight with a retriable 503,
     health fails, and Serve's new group (a new core and drafter) serves correctly. Runs last: it
     replaces the module's group."""
-    import ray
-
-    from tests.serve.test_faults import serving
-
     group = group_identity(cluster)
     url = cluster.http_url
-
-    async def run() -> httpx.Response:
-        async with httpx.AsyncClient(timeout=300) as client:
-            in_flight = asyncio.create_task(
-                client.post(f"{url}/v1/completions", json=completion_body(PROMPTS[0], 400))
-            )
-
-            async def running() -> bool:
-                return (await health(client, url))[1].get("running") == 1
-
-            await wait_until(running)
-            ray.kill(group["target"], no_restart=True)
-            response = await in_flight
-            await wait_until(lambda: serving(client, url), timeout_s=120, interval_s=0.2)
-            return response
-
-    response = asyncio.run(run())
+    response, _ = kill_for_good_mid_request(cluster, group["target"])
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"].isdigit()
     replacement = group_identity(cluster)

@@ -17,7 +17,14 @@ import pytest
 from ddtree_serve.engine.llm import LLM
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import ServeCluster
-from tests.serve.test_faults import completion_body, greedy, group_identity, health, wait_until
+from tests.serve.test_engine_core import check_a_stream_left_early_frees_its_slot
+from tests.serve.test_faults import (
+    completion_body,
+    greedy,
+    group_identity,
+    health,
+    kill_for_good_mid_request,
+)
 from tests.serve.test_local_target import PROMPTS, bundled_group, check_streams_equal_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -55,27 +62,7 @@ def test_http_and_grpc_streams_equal_the_in_process_engine_and_speculate(
 
 
 def test_a_stream_left_early_frees_its_slot_in_the_core(cluster: ServeCluster) -> None:
-    """The abort reaches the core: the request ends within a few steps of the caller leaving,
-    not after the ~400 tokens it asked for."""
-
-    async def run() -> tuple[int, dict[str, Any]]:
-        async with httpx.AsyncClient(timeout=300) as client:
-            body = completion_body(PROMPTS[1], 400, stream=True)
-            async with client.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if line.startswith("data: "):
-                        break  # leave after the first chunk
-            left_at = (await health(client, cluster.http_url))[1]["engine_steps"]
-
-            async def freed() -> bool:
-                return (await health(client, cluster.http_url))[1]["running"] == 0
-
-            await wait_until(freed)
-            return left_at, (await health(client, cluster.http_url))[1]
-
-    left_at, stats = asyncio.run(run())
-    assert stats["running"] == 0 and stats["cancelled"] >= 1
-    assert stats["engine_steps"] - left_at < 40
+    check_a_stream_left_early_frees_its_slot(cluster)
 
 
 def test_a_core_that_dies_ends_its_request_retriable_and_serve_replaces_the_group(
@@ -84,29 +71,9 @@ def test_a_core_that_dies_ends_its_request_retriable_and_serve_replaces_the_grou
     """Both models die with the core: the request in flight ends with a retriable 503 and
     Serve's new group (a new core) serves the in-process text. Runs last: it replaces the
     module's group."""
-    import ray
-
-    from tests.serve.test_faults import serving
-
     core = group_identity(cluster)["target"]
     url = cluster.http_url
-
-    async def run() -> httpx.Response:
-        async with httpx.AsyncClient(timeout=300) as client:
-            in_flight = asyncio.create_task(
-                client.post(f"{url}/v1/completions", json=completion_body(PROMPTS[0], 400))
-            )
-
-            async def running() -> bool:
-                return (await health(client, url))[1].get("running") == 1
-
-            await wait_until(running)
-            ray.kill(core, no_restart=True)
-            response = await in_flight
-            await wait_until(lambda: serving(client, url), timeout_s=120, interval_s=0.2)
-            return response
-
-    response = asyncio.run(run())
+    response, _ = kill_for_good_mid_request(cluster, core)
     assert response.status_code == 503, response.text
     assert group_identity(cluster)["target"] != core
     want = reference.generate([PROMPTS[3]], greedy(48))[0].text

@@ -350,14 +350,11 @@ def test_a_target_lost_while_idle_restarts_in_place_and_every_slot_serves_again(
     assert httpx.get(f"{url}/health", timeout=10).json()["target_restarts"] == restarts_before + 1
 
 
-def test_a_target_that_stays_dead_ends_in_serve_replacing_the_group(
-    cluster: ServeCluster, reference: LLM
-) -> None:
-    """Past its restarts (here: killed for good) the target cannot come back in place: the
-    request in flight ends retriable, health fails, and Serve's new group serves correctly."""
+def kill_for_good_mid_request(cluster: ServeCluster, actor: Any) -> tuple[httpx.Response, float]:
+    """Kills `actor` (no restart) while one long completion runs -> that request's response, and
+    the seconds from the kill until the app serves again (Serve's replacement group)."""
     import ray
 
-    group = group_identity(cluster)
     url = cluster.http_url
 
     async def run() -> tuple[httpx.Response, float]:
@@ -370,14 +367,24 @@ def test_a_target_that_stays_dead_ends_in_serve_replacing_the_group(
                 return (await health(client, url))[1].get("running") == 1
 
             await wait_until(running)
-            ray.kill(group["target"], no_restart=True)
+            ray.kill(actor, no_restart=True)
             kill_time = time.monotonic()
             response = await in_flight
 
             await wait_until(lambda: serving(client, url), timeout_s=120, interval_s=0.2)
             return response, time.monotonic() - kill_time
 
-    response, recovery_s = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_target_that_stays_dead_ends_in_serve_replacing_the_group(
+    cluster: ServeCluster, reference: LLM
+) -> None:
+    """Past its restarts (here: killed for good) the target cannot come back in place: the
+    request in flight ends retriable, health fails, and Serve's new group serves correctly."""
+    group = group_identity(cluster)
+    url = cluster.http_url
+    response, recovery_s = kill_for_good_mid_request(cluster, group["target"])
     print(f"\ntarget killed for good: Serve's replacement group healthy {recovery_s:.2f} s after")
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"].isdigit() and "retry" in response.json()["error"]["message"]
