@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import get_args
 
 import grpc
 import httpx
@@ -42,7 +43,7 @@ from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.async_llm import AsyncLLM
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
-from ddtree_serve.serve.config import ServeConfig
+from ddtree_serve.serve.config import PlacementWorkers, ServeConfig
 from ddtree_serve.serve.launcher import direct_ingress_ports
 from ddtree_serve.serve.ports import free_port
 
@@ -484,7 +485,7 @@ def main() -> None:
         "--workers",
         nargs="+",
         default=["actors"],
-        choices=["actors", "target_in_coordinator", "engine_core", "engine_core_colocated", "in_process"],
+        choices=get_args(PlacementWorkers),
         help="placement.workers values: drafter and target actors, the target inside the "
         "Coordinator replica and the drafter in its actor, the target and the engine loop in an "
         "engine core actor, that core with the drafter in it too, or both models inside the "

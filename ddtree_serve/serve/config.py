@@ -14,6 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ddtree_serve.config import EngineConfig
 
 PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
+PlacementWorkers = Literal[
+    "actors", "target_in_coordinator", "engine_core", "engine_core_colocated", "in_process"
+]
+"""Where a group's models and engine loop run (`PlacementConfig.workers`; the CLI's choices)."""
+PlacementTransport = Literal["auto", "actor_calls", "compiled_graph", "sockets"]
+"""How the Coordinator reaches the worker actors (`PlacementConfig.transport`)."""
 
 _SERVE_METRICS_INTERVAL_S = 10.0  # Ray Serve's default metrics_interval_s (2.60)
 
@@ -89,9 +95,7 @@ class PlacementConfig(_Strict):
         "on CPU) that shards attention heads, MLPs, experts and the vocabulary; the coordinator "
         "still sees one target.",
     )
-    workers: Literal[
-        "actors", "target_in_coordinator", "engine_core", "engine_core_colocated", "in_process"
-    ] = Field(
+    workers: PlacementWorkers = Field(
         default="actors",
         description="'actors': DrafterWorker and TargetWorker actors in the group's bundles (the "
         "speculation group); 'target_in_coordinator': the target model inside the Coordinator "
@@ -109,7 +113,7 @@ class PlacementConfig(_Strict):
         "Benchmarks); a lost core is a lost replica; 'in_process': both "
         "models inside the Coordinator replica (debugging, Serve's local testing mode).",
     )
-    transport: Literal["auto", "actor_calls", "compiled_graph", "sockets"] = Field(
+    transport: PlacementTransport = Field(
         default="auto",
         description="How the Coordinator reaches the worker actors each step: 'auto' ('sockets' for "
         "one target actor with a drafter, the fastest on one H200 (README, Benchmarks); "

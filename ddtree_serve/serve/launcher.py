@@ -16,13 +16,13 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import ValidationError
 
 from ddtree_serve.cli import one_line_error
-from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG, ServeConfig
+from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG, PlacementTransport, PlacementWorkers, ServeConfig
 
 DASHBOARD_PORT = 8265  # Ray's own default
 AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
@@ -89,7 +89,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     defaults_placement = defaults.placement
     placement.add_argument(
         "--workers",
-        choices=["actors", "target_in_coordinator", "engine_core", "engine_core_colocated", "in_process"],
+        choices=get_args(PlacementWorkers),
         help="actors: drafter and target actors (a lost target restarts in place); "
         "target_in_coordinator: the target inside the Coordinator replica; engine_core: the target "
         "and the engine loop in an actor of their own, the drafter in its actor; "
@@ -99,7 +99,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     placement.add_argument(
         "--transport",
-        choices=["auto", "actor_calls", "compiled_graph", "sockets"],
+        choices=get_args(PlacementTransport),
         help="How the Coordinator reaches the worker actors each step (auto: the workers' own "
         f"sockets where they fit) {default(defaults_placement.transport)}.",
     )
