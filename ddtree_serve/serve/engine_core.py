@@ -75,22 +75,17 @@ class CoreInfo:
 class EngineCore:
     """The actor: the target, the engine and its loop, served to one client over a socket."""
 
-    def __init__(
-        self, config: Any, drafter_actor: Any, target_factory: Any = None, drafter_factory: Any = None
-    ) -> None:
-        """`drafter_actor` None: the drafter model loads here (`engine_core_colocated`, built by
-        `drafter_factory`, none in mode "ar")."""
-        from ddtree_serve.engine.builder import DraftStepFactory, TargetStepFactory, target_dir
+    def __init__(self, config: Any, drafter_actor: Any, target_factory: Any, drafter_factory: Any) -> None:
+        """The factories build the models here (`group.model_factories`); `drafter_actor` None:
+        the drafter model loads here too (`engine_core_colocated`; none in mode "ar")."""
+        from ddtree_serve.engine.builder import target_dir
         from ddtree_serve.models import load_tokenizer
-        from ddtree_serve.serve.group import local_target_workers
+        from ddtree_serve.serve.group import local_models, local_target_workers
 
-        target_factory = target_factory or TargetStepFactory(config.engine)
         if drafter_actor is not None:
             target, drafter = local_target_workers(config, target_factory, drafter_actor)
         else:
-            target = target_factory()
-            has_drafter = config.engine.mode != "ar"
-            drafter = (drafter_factory or DraftStepFactory(config.engine))() if has_drafter else None
+            target, drafter = local_models(target_factory, drafter_factory)
         self._record: StepRecord | None = None  # the step's, as the engine reported it
         tokenizer = load_tokenizer(target_dir(config.engine))
         self.engine = group_engine(config, target, drafter, tokenizer, self._keep_record)

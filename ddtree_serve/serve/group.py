@@ -75,24 +75,38 @@ def start_workers(
     `target_factory` / `drafter_factory` build the in-process models, inside the workers or
     here; None = load `config.engine`'s model directories (tests inject fakes here).
     """
-    engine_config = config.engine
     if target_factory is not None and config.placement.tensor_parallel_size > 1:
         raise ValueError(
             "a target factory builds one process's target; a tensor-parallel group loads its ranks"
         )
-    target_factory = target_factory or TargetStepFactory(engine_config)
-    if engine_config.mode == "ar":
-        drafter_factory = None
-    else:
-        drafter_factory = drafter_factory or DraftStepFactory(engine_config)
+    target_factory, drafter_factory = model_factories(config, target_factory, drafter_factory)
     if config.placement.workers in ("engine_core", "engine_core_colocated"):
         raise ValueError("an engine core's group starts with start_engine_core (the engine runs there)")
     if config.placement.workers == "in_process":
-        return target_factory(), drafter_factory() if drafter_factory is not None else None
+        return local_models(target_factory, drafter_factory)
     if config.placement.workers == "target_in_coordinator":
         assert drafter_factory is not None, "the config refuses mode 'ar' here"
         return _start_target_in_coordinator(config, target_factory, drafter_factory)
     return _start_actors(config, target_factory, drafter_factory)
+
+
+def model_factories(
+    config: ServeConfig, target_factory: TargetFactory | None, drafter_factory: DrafterFactory | None
+) -> tuple[TargetFactory, DrafterFactory | None]:
+    """The factories that build the group's models where they run: the given ones, else
+    `config.engine`'s model directories; no drafter in mode "ar"."""
+    target_factory = target_factory or TargetStepFactory(config.engine)
+    if config.engine.mode == "ar":
+        return target_factory, None
+    return target_factory, drafter_factory or DraftStepFactory(config.engine)
+
+
+def local_models(
+    target_factory: TargetFactory, drafter_factory: DrafterFactory | None
+) -> tuple[Target, Drafter | None]:
+    """Both models loaded in this process (`in_process` in the replica, `engine_core_colocated`
+    in the core)."""
+    return target_factory(), drafter_factory() if drafter_factory is not None else None
 
 
 def _worker_options(resources: WorkerResources, bundle_index: int) -> dict[str, Any]:
@@ -155,11 +169,12 @@ def start_engine_core(
     the core is up -> (core actor, drafter actor or None)."""
     from ddtree_serve.serve.engine_core import EngineCore
 
-    drafter_factory = drafter_factory or DraftStepFactory(config.engine)
+    target_factory, drafter_factory = model_factories(config, target_factory, drafter_factory)
     if config.placement.workers == "engine_core_colocated":
         drafter_actor = None
         options = _worker_options(colocated_core_resources(config), DRAFTER_BUNDLE)
     else:
+        assert drafter_factory is not None, "the config refuses mode 'ar' here"
         drafter_actor = _start_drafter(config, drafter_factory)
         options = _worker_options(config.placement.target, TARGET_BUNDLE)
     core_actor = ray.remote(EngineCore).options(**options, max_restarts=0)
