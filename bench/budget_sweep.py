@@ -5,7 +5,11 @@ the same greedy prompts at each concurrency with plain decoding (ar), DDTree at 
 and the adaptive budget (`budget_policy="adaptive"`), and reports generated tokens per second:
 each configuration's median over `--repeats` timed runs, taken round-robin across the
 configurations after `--warmup-runs` untimed ones (so drift on a shared machine falls on all
-alike, and one noisy run does not make a configuration the best). The adaptive engine's start-up
+alike, and one noisy run does not make a configuration the best), each round starting one
+configuration later. Beside the ratio of medians, the table gives the median of adaptive over
+the best configuration round by round (paired: the machine's drift between rounds cancels) and
+the range of those ratios, which says how far one sweep's ratio can be trusted; the JSON keeps
+every run's rate. The adaptive engine's start-up
 cost calibration runs once, before the sweep (its curve is saved, for simulations); one adaptive
 policy then lives through the whole sweep, as in a server whose load changes: what it learned at
 one concurrency (acceptance calibration, live costs, step-time ratios per batch bucket) it keeps
@@ -268,7 +272,8 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
         row: dict = {"concurrency": concurrency}
         samples: dict[str, list[float]] = {name: [] for name, _ in configs}
         for run in range(args.warmup_runs + args.repeats):  # round-robin: drift falls on all alike
-            for name, engine in configs:
+            # Each round starts one configuration later: none always runs after the same one.
+            for name, engine in configs[run % len(configs) :] + configs[: run % len(configs)]:
                 logs[name] = StepLog()
                 graphs = _num_graphs(target, drafter)
                 rate = tokens_per_s(engine, prompts, concurrency, args.max_tokens, str(run), logs[name])
@@ -279,9 +284,10 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
         row.update({name: float(np.median(rates)) for name, rates in samples.items()})
         rows.append(row)
         steps = {name: logs.pop(f"timed-{name}").summary() for name, _ in configs}
-        diagnostics.append({"concurrency": concurrency, "steps": steps})
+        diagnostics.append({"concurrency": concurrency, "steps": steps, "runs": samples})
         print(row_line(row), flush=True)
         print(_steps_line(steps), flush=True)
+        print(_paired_line(row, samples), flush=True)
     return rows, recorder.steps, diagnostics
 
 
@@ -333,6 +339,24 @@ def _num_graphs(target, drafter) -> int:
     if drafter_graphs is not None:
         forwards += [drafter_graphs.append, drafter_graphs.block]
     return sum(forward.num_graphs for forward in forwards)
+
+
+def paired_ratios(row: dict, runs: dict[str, list[float]]) -> list[float]:
+    """Adaptive over the best configuration (`ar` or a fixed budget, by median), round by round:
+    the two ran within seconds of each other, so drift in the machine's speed, which moves whole
+    rounds (on the CI CPU `ar`'s step took 6.3 ms in one sweep and 5.4 in the next minute), cancels
+    in each ratio where it does not between two medians taken over different rounds."""
+    best = max((name for name in row if name not in ("concurrency", "adaptive")), key=row.__getitem__)
+    return [a / b for a, b in zip(runs["adaptive"], runs[best], strict=True)]
+
+
+def _paired_line(row: dict, runs: dict[str, list[float]]) -> str:
+    """The paired ratios' median and range (`paired_ratios`)."""
+    ratios = paired_ratios(row, runs)
+    return (
+        f"  adaptive / best, round by round: median {float(np.median(ratios)):.2f}, "
+        f"range {min(ratios):.2f}-{max(ratios):.2f} ({len(ratios)} rounds)"
+    )
 
 
 def _steps_line(steps: dict[str, dict]) -> str:
@@ -479,21 +503,28 @@ def row_line(row: dict) -> str:
     )
 
 
-def markdown_table(rows: list[dict], title: str) -> str:
+def markdown_table(rows: list[dict], title: str, runs: list[dict[str, list[float]]] | None = None) -> str:
+    """`runs`: each row's per-round rates (a live sweep's), for the paired ratio's column."""
     names = [k for k in rows[0] if k != "concurrency"]
     fixed = [n for n in names if n.startswith("ddtree-")]
+    paired_header = " | paired (range) |" if runs else " |"
+    paired_note = ", and the median of adaptive / best round by round (`paired_ratios`), with its range"
     lines = [
         f"### {title}",
         "",
-        "tokens/s; last columns: adaptive / max(ar, best fixed) and adaptive / ar",
+        "tokens/s (each configuration's median run); last columns: adaptive / max(ar, best fixed) "
+        "and adaptive / ar" + (paired_note if runs else ""),
         "",
-        "| concurrency | " + " | ".join(names) + " | adaptive / best | adaptive / ar |",
-        "|---" * (len(names) + 3) + "|",
+        "| concurrency | " + " | ".join(names) + " | adaptive / best | adaptive / ar" + paired_header,
+        "|---" * (len(names) + (4 if runs else 3)) + "|",
     ]
-    for row in rows:
+    for i, row in enumerate(rows):
         best = max(row["ar"], *(row[n] for n in fixed))
         cells = " | ".join(f"{row[n]:.1f}" for n in names)
         ratios = f"{row['adaptive'] / best:.2f} | {row['adaptive'] / row['ar']:.2f}"
+        if runs:
+            paired = paired_ratios(row, runs[i])
+            ratios += f" | {float(np.median(paired)):.2f} ({min(paired):.2f}-{max(paired):.2f})"
         lines.append(f"| {row['concurrency']} | {cells} | {ratios} |")
     return "\n".join(lines) + "\n"
 
@@ -509,7 +540,8 @@ def replot(path: Path) -> None:
     if args.get("simulate_cost"):
         raise SystemExit(f"{path} is a simulation's: --replot takes a live sweep's JSON")
     title = _live_title(args["device"], args["dtype"], args["max_tokens"])
-    table = markdown_table(sweep["rows"], title)
+    runs = [entry["runs"] for entry in sweep.get("steps", []) if "runs" in entry]
+    table = markdown_table(sweep["rows"], title, runs if len(runs) == len(sweep["rows"]) else None)
     path.with_suffix(".md").write_text(table)
     plot(sweep["rows"], path.with_suffix(".png"), title)
     print(table + f"wrote {path.with_suffix('.md')}, {path.with_suffix('.png')}")
@@ -630,7 +662,8 @@ def main(argv: list[str] | None = None) -> None:
             + ("" if args.build_cost is None else f" + host build {args.build_cost.name}")
         )
         rows, stem, diagnostics = run_simulation(args, traces), "budget_sweep_sim", []
-    table = markdown_table(rows, title)
+    runs = [entry["runs"] for entry in diagnostics]
+    table = markdown_table(rows, title, runs or None)
     print("\n" + table)
     (args.out_dir / f"{stem}.md").write_text(table)
     (args.out_dir / f"{stem}.json").write_text(
