@@ -12,11 +12,13 @@ over the tokens it forecast (`token_residual`): pricing every request by the bat
 forecast the drafted steps on the CI CPU at batch 4-8 4-7% above what they made (the requests'
 own trees, which the steps verify, were forecast within 2%), enough to hold drafting where plain
 decoding won by 7-15%. After a few steps at one choice (2 at a new
-batch bucket, doubling to `probe_interval` after each probe), one step builds alternately wider
+batch bucket, doubling to `probe_interval` after each probe), one step builds in turn wider
 (twice the choice: the curve past the chosen width stays current and the engine can widen again
-when acceptance or load changes) and narrower (the next candidate below: its measured ratio
-stays current); after plain steps the probe drafts at the best drafting ceiling (a probe at the
-cap could cost more than the plain steps before it saved), and while probes keep finding
+when acceptance or load changes), narrower (the next candidate below: its measured ratio
+stays current) and, where drafting is predicted to win by little, not at all (a plain step: its
+measured ratio stays current, `PLAIN_PROBE_MAX_GAIN`); after plain steps the probe drafts at
+the best drafting ceiling (a probe at the cap could cost more than the plain steps before it
+saved), and while probes keep finding
 drafting a loss they come at doubling intervals: each one also pays the drafter's catch-up on
 all the context it skipped (on a CPU at batch 64, ten plain steps'; at batch 8, three). They
 back off near the boundary too: there a plain step is about as good as a drafted one, so the
@@ -72,12 +74,25 @@ away at its batch bucket (within the 16x cap). On the CI CPU at c = 16 a probe's
 caught up on their prompts and every skipped step through the drafter, ~60 ms against 13 ms
 plain steps: at the doubling intervals (16, 32, 64) a plain sweep paid 8-15% for probes."""
 
+PLAIN_PROBE_MAX_GAIN = 1.25
+"""A drafting streak's probes also take a plain step, in turn with the wider and the narrower
+ones, while the best drafting ceiling's predicted rate is at most this many times a plain step's:
+the plain step's own price is then what the choice hangs on, and a drafting streak never measures
+it. On the CI CPU at batch 4 the first decision priced a plain step from the start-up cost grid
+and the drift the drafted verifies had taught it, 9.7 ms where plain steps took 8.1, and the
+gate drafted at ceiling 8 through whole runs where plain decoding made 1.16x its tokens/s. Where
+drafting wins by more, no misprice of the plain step would turn the choice, and none is taken."""
+
 WIDER_PROBE_MAX_COST = 1.5
 """A probe twice as wide as the choice is made only when its step is predicted (with its
 measured ratio) at most this many times the choice's; else the probe goes narrower. On the H200
 at c = 64 a wider probe of ceiling 32 built 64-node trees for 64 requests, 25 ms against a 10 ms
 step: each such probe cost one and a half steps, a few percent of the run's rate for a width
 that cannot win there (it would need 2.5x the tokens a step)."""
+
+
+PROBE_TURNS = ("wider", "narrower", "plain")
+"""The directions a drafting streak's probes take in turn (`DraftGate._probe_ceiling`)."""
 
 
 class DraftGate:
@@ -138,7 +153,7 @@ class DraftGate:
         self.residual = StepResidual()
         # Per (batch bucket, ceiling): tokens a drafted step made over the tokens it forecast.
         self.token_residual = StepResidual(mean=True)
-        self._next_probe_wider = True  # a drafting probe's direction: it flips at each one
+        self._probe_turn = 0  # the next drafting probe's direction: an index into `PROBE_TURNS`
         # (batch size, ceiling, predicted step ms, forecast tokens) of the step the last
         # `ceiling` decided, for `record_step_ms`; None when that step teaches no ratio (the
         # first step, a probe after plain steps, a drafting streak's step at another batch than
@@ -208,6 +223,7 @@ class DraftGate:
                 self._decided = (batch_size, choice, self._streak_ms, self._streak_tokens)
                 self.held = True
             return choice
+        plain_close = False  # whether a plain step is near enough to probe (`PLAIN_PROBE_MAX_GAIN`)
         if self.curve is None:
             best = drafted = self._first_ceiling(caps, cost, build, overhead)
             predicted_ms: dict[int, float] = {}
@@ -225,6 +241,7 @@ class DraftGate:
                 batch_size, 0
             )
             best = drafted if drafted_rate > plain_rate or learning else 0
+            plain_close = drafted_rate <= PLAIN_PROBE_MAX_GAIN * plain_rate
         predicted_ms[0], predicted_tokens[0] = plain_ms, float(batch_size)
         if streak[0] != self._probe_bucket:  # another load: its neighbours at its own interval
             first = min(FIRST_PROBE_INTERVAL, self.probe_interval)
@@ -236,7 +253,11 @@ class DraftGate:
         interval = plain_interval if best == 0 else self.drafted_probe_interval
         probe_due = self.steps_since_probe >= interval
         if probe_due:
-            chosen = drafted if best == 0 else self._probe_ceiling(best, cap, batch_size, predicted_ms)
+            chosen = (
+                drafted
+                if best == 0
+                else self._probe_ceiling(best, cap, batch_size, predicted_ms, plain_close and not learning)
+            )
             if best > 0:
                 self.drafted_probe_interval = min(2 * self.drafted_probe_interval, self.probe_interval)
                 self._drafted_probe_intervals[streak[0]] = self.drafted_probe_interval
@@ -315,21 +336,30 @@ class DraftGate:
         due = self.steps_since_probe >= self.drafted_probe_interval
         return not due and not any(moved) and self._streak_age < DRAFTED_RECHECK_STEPS
 
-    def _probe_ceiling(self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float]) -> int:
-        """A drafting probe's ceiling: alternately twice the choice (the curve past it stays
-        known) and the candidate below it (its step-time ratio stays known), where they exist;
-        a wider one only at a price (`WIDER_PROBE_MAX_COST`). `predicted_ms`: the candidates'
-        predicted step milliseconds, before their measured ratios."""
+    def _probe_ceiling(
+        self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float], plain: bool
+    ) -> int:
+        """A drafting probe's ceiling, the directions taken in turn (`PROBE_TURNS`): twice the
+        choice (the curve past it stays known), the candidate below it (its step-time ratio
+        stays known) and, where `plain` (`PLAIN_PROBE_MAX_GAIN`), a plain step (its price stays
+        known); a direction that does not apply passes its turn to the next. A wider one only at
+        a price (`WIDER_PROBE_MAX_COST`). `predicted_ms`: the candidates' predicted step
+        milliseconds, before their measured ratios."""
         wider = min(cap, 2 * best)
         narrower = max((c for c in powers_of_two_upto(cap) if c < best), default=0)
-        wider_turn, self._next_probe_wider = self._next_probe_wider, not self._next_probe_wider
-        if (
-            wider > best
-            and (wider_turn or narrower == 0)
-            and self._affordable(wider, best, batch_size, predicted_ms)
-        ):
-            return wider
-        return narrower or best
+        affordable = wider > best and self._affordable(wider, best, batch_size, predicted_ms)
+        options = {
+            "wider": wider if affordable else None,
+            "narrower": narrower or None,
+            "plain": 0 if plain else None,
+        }
+        for offset in range(len(PROBE_TURNS)):
+            turn = (self._probe_turn + offset) % len(PROBE_TURNS)
+            ceiling = options[PROBE_TURNS[turn]]
+            if ceiling is not None:
+                self._probe_turn = (turn + 1) % len(PROBE_TURNS)
+                return ceiling
+        return best
 
     def _affordable(self, wider: int, best: int, batch_size: int, predicted_ms: dict[int, float]) -> bool:
         """Whether a probe at `wider` costs at most `WIDER_PROBE_MAX_COST` steps at `best`."""
