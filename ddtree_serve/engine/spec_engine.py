@@ -328,6 +328,8 @@ class SpecEngine:
             return running, None
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
         if self.budget_policy is not None and (cruise := self._start_cruise(requests)) is not None:
+            if cruise.width == 0:
+                return running, None  # a plain streak's cruise
             top_k = min(top_k, cruise.width)
         elif self.budget_policy is not None:
             ceiling = self.budget_policy.plan(self._adaptive_inputs_of(requests)[1])
@@ -563,7 +565,7 @@ class SpecEngine:
         keepable = self._keepable_depths(requests)
         cap = max(r.tree_budget for r in requests)
         width = policy.cruise_width(len(requests), cap)
-        if width is not None and min(keepable) <= 0:
+        if width and min(keepable) <= 0:  # a plain cruise drafts nothing to keep
             policy.end_cruise()
             width = None
         self._cruise_step = None if width is None else _CruiseStep(width, keepable, cap)

@@ -15,7 +15,7 @@ import pytest
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import BudgetStep, BuildCost
-from ddtree_serve.engine.budget.policy import LEARNING_STEPS, _Cruise
+from ddtree_serve.engine.budget.policy import LEARNING_STEPS, PLAIN_CRUISE_STEPS, _Cruise
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import StepResidual
 from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
@@ -160,6 +160,13 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
         return ceiling
 
     policy.plan = recording_plan
+    cruised = policy.cruised
+
+    def recording_cruised(trees, accepted):  # a plain streak's step that did not plan
+        settled_widths.append(None)
+        return cruised(trees, accepted)
+
+    policy.cruised = recording_cruised
     add_greedy_requests(engine, prompt_ids, max_tokens)
     outputs, steps = run_recording_steps(engine)
     assert outputs == plain_decoding(make_pair_config, prompt_ids, max_tokens)
@@ -169,6 +176,53 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
     assert any(width < step.ceiling for width, step, _ in settled)
     for width, step, top_k in settled:
         assert top_k == width and max(step.num_nodes) <= width
+
+
+def test_a_plain_streak_cruises_unasked_until_its_batch_changes(make_pair_config, prompt_ids, cost_files):
+    """A drafter so dear that the gate decodes plainly: a plain streak's steps run without
+    planning, at most `PLAIN_CRUISE_STEPS` in a row, each with a plain step's record; a request
+    that finishes changes the batch, and the next step plans again (the plain step's price is
+    read at the batch now). The output stays plain decoding's."""
+    config = make_pair_config(mode="ddtree", budget=8, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["costly_drafter"]}))
+    steer_by_the_file(engine)
+    policy = engine.budget_policy
+    planned: list[bool] = []
+    plan = policy.plan
+
+    def recording_plan(caps):
+        planned[-1] = True
+        return plan(caps)
+
+    policy.plan = recording_plan
+    lengths = (16, 40, 40)  # the first request leaves the batch early
+    for i, (prompt, max_tokens) in enumerate(zip(prompt_ids, lengths, strict=False)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    outputs: dict[str, list[int]] = {}
+    steps: list[tuple[int, bool, BudgetStep | None]] = []  # (batch, cruised plain, record)
+    while engine.has_unfinished_requests():
+        planned.append(False)
+        batch_size = engine.num_running or engine.num_waiting
+        outputs.update({out.request_id: list(out.token_ids) for out in engine.step() if out.finished})
+        cruise = engine._cruise_step
+        plain_cruise = cruise is not None and cruise.width == 0
+        assert not (plain_cruise and planned[-1])
+        steps.append((batch_size, plain_cruise, policy.last_step))
+    plain = build_local_engine(make_pair_config(mode="ar", max_num_seqs=3))
+    for i, (prompt, max_tokens) in enumerate(zip(prompt_ids, lengths, strict=False)):
+        plain.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert outputs == run_to_completion(plain)
+    cruised = [i for i, (_, plain_cruise, _) in enumerate(steps) if plain_cruise]
+    assert len(cruised) >= 10
+    for i in cruised:
+        assert steps[i][0] == steps[i - 1][0]  # the batch it was armed at
+        assert not steps[i][2].drafted and len(steps[i][2].num_nodes) == steps[i][0]
+    run = 0
+    for _, plain_cruise, _ in steps:
+        run = run + 1 if plain_cruise else 0
+        assert run <= PLAIN_CRUISE_STEPS
+    drop = next(i for i in range(1, len(steps)) if steps[i][0] < steps[i - 1][0])
+    assert not steps[drop][1]  # the batch changed: it planned
 
 
 @pytest.mark.parametrize("graphs", ["eager", "captured", "none_for_the_batch"])
@@ -214,7 +268,9 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(
         drafts = len(top_ks)
         outputs.update({out.request_id: list(out.token_ids) for out in engine.step() if out.finished})
         cruise = engine._cruise_step
-        if cruise is not None:
+        if cruise is not None and cruise.width == 0:  # a plain streak's cruise
+            assert drafts not in plans and len(top_ks) == drafts and not policy.last_step.drafted
+        elif cruise is not None:
             assert drafts not in plans and len(top_ks) == drafts + 1  # drafted without planning
             assert policy.last_step is not before
             cruised.append((cruise.width, top_ks[-1], policy.last_step))

@@ -303,9 +303,19 @@ class DraftGate:
             ),
         )
 
+    def plain_steps_held_ahead(self) -> int:
+        """Plain steps after this one that keep the plain streak without asking, as long as the
+        plain step's price stands still (the cost curve learns nothing meanwhile) and the batch
+        does not change: until its probe is due (0 unless this step took a plain streak's
+        choice, decided or held)."""
+        if self._streak is None or self._streak_choice != 0 or self.probing or self.probing_neighbour:
+            return 0
+        return max(0, self.plain_probe_interval(self._streak_batch) - self.steps_since_probe)
+
     def hold_unchecked(self) -> None:
-        """A step that kept the streak's choice without asking (`steps_held_ahead`): it counts
-        toward the recheck and the probe as a held step does."""
+        """A step that kept the streak's choice without asking (`steps_held_ahead`,
+        `plain_steps_held_ahead`): it counts toward the recheck and the probe as a held step
+        does."""
         self.steps_since_probe += 1
         self._streak_age += 1
 

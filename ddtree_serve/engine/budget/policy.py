@@ -21,9 +21,10 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
 The trees verified are best-first prefixes of the ones built (`TreeBatch.prefix`), so the
 choice reads drafter outputs only and verification stays lossless.
 
-A cruising step (armed by a settled step where node lessons are dear) replaces all of these
-with two calls: `cruise_width(batch, cap)` before drafting (None: plan instead), `cruised(trees,
-accepted)` after the verify; it drafts and builds at the settled width like a fixed budget.
+A cruising step (armed by a settled step where node lessons are dear, or by a plain streak's
+step) replaces all of these with two calls: `cruise_width(batch, cap)` before drafting (None:
+plan instead; 0: a plain step), `cruised(trees, accepted)` after the verify; it drafts and
+builds at the settled width like a fixed budget, or decodes plainly like plain decoding.
 
 Deciding time. A step's `plan` and `choose` time is the policy deciding, and the steps that
 decide pay most of it: a drafting streak's later steps (`settled`) a few hundredths of a
@@ -92,6 +93,13 @@ a drafted step's wall time (on the CI CPU 0.1-0.2 ms of a 15 ms step at batch 1)
 are that cheap, one step in `NODE_LESSON_INTERVAL` only starved the calibrator, and a cold one
 forecast the first nodes of a tree at 0.7 where they were accepted 0.9 of the time, so the
 gate took ceiling 32 at c = 1 where 8 wins (the CPU's drafter is dear)."""
+
+PLAIN_CRUISE_STEPS = 8
+"""A plain streak's steps run unasked (`AdaptiveBudget.cruise_width`) at most this many in a row:
+the next one decides, learns its verify's time and teaches the plain step's ratio. On the CI CPU
+an adaptive plain step took 0.27-0.35 ms more than a plain-decoding engine's at batch 8-16
+(8 ms steps), in `plan`, `observe`, `learn` and `record_step_ms`, which a step whose choice,
+batch and prices stand still repeats to the same end."""
 
 LESSON_WEIGHT = 0.2
 """EMA weight of the node lessons' host milliseconds and of the drafted steps' wall time."""
@@ -290,6 +298,7 @@ class AdaptiveBudget:
             cruise.steps_left <= 0
             or batch_bucket(batch_size) != cruise.batch_bucket
             or batch_bucket(cap) != cruise.cap_bucket
+            or (cruise.batch_size is not None and batch_size != cruise.batch_size)
         ):
             self._cruise = None
             return None
@@ -311,6 +320,10 @@ class AdaptiveBudget:
         assert cruise is not None, "cruised without a cruise_width"
         cruise.steps_left -= 1
         self.gate.hold_unchecked()
+        if cruise.width == 0:  # a plain step's record (a new one: readers tell steps apart by it)
+            zeros = (0,) * trees.batch_size
+            self.last_step = BudgetStep(False, zeros, (0.0,) * trees.batch_size, zeros)
+            return self.last_step
         num_nodes = trees.num_nodes - 1
         logws = trees.logws[:, 1 : 1 + int(num_nodes.max(initial=0))]
         self.last_step = BudgetStep(
@@ -605,7 +618,8 @@ class AdaptiveBudget:
 
     def record_step_ms(self, step_ms: float) -> None:
         """The observed step's wall time (after its prefills): teaches the step overhead, and a
-        probe after plain steps its cost (`DraftGate.record_probe_ms`)."""
+        probe after plain steps its cost (`DraftGate.record_probe_ms`). A plain streak's step
+        arms a cruise of the steps it keeps unasked (`PLAIN_CRUISE_STEPS`)."""
         if self.last_step is not None and self.last_step.drafted:
             self.gate.record_probe_ms(len(self.last_step.num_nodes), step_ms)  # a probe's only
             self._drafted_step_wall_ms = _ema_from_first(self._drafted_step_wall_ms, step_ms)
@@ -622,6 +636,12 @@ class AdaptiveBudget:
                 self.gate.record_step_ms(step_ms - self._deciding_ms + mean, tokens)
         self._priced_ms = None
         self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing
+        if self.last_step is not None and not self.last_step.drafted and self._ceiling == 0:
+            # Its batch exactly: a plain streak's price is read at the batch now (`DraftGate`).
+            ahead = min(self.gate.plain_steps_held_ahead(), PLAIN_CRUISE_STEPS)
+            batch_size = len(self.last_step.num_nodes)
+            if ahead > 0:
+                self._cruise = _Cruise(0, 0, batch_bucket(batch_size), self._cap_bucket, ahead, batch_size)
 
 
 def _forecast_of(allocation: Allocation) -> Forecast:
@@ -655,13 +675,14 @@ def _ema_from_first(mean: float, sample: float) -> float:
 
 @dataclass
 class _Cruise:
-    """A settled streak's steps run without deciding (`AdaptiveBudget.cruise_width`)."""
+    """A settled or plain streak's steps run without deciding (`AdaptiveBudget.cruise_width`)."""
 
     ceiling: int
-    width: int  # draft nodes per tree, the streak's last weighing's
+    width: int  # draft nodes per tree, the streak's last weighing's (0: a plain streak's)
     batch_bucket: int  # the batch and widest-cap buckets the streak holds in
     cap_bucket: int
     steps_left: int
+    batch_size: int | None = None  # the batch it holds at exactly (a plain streak's), None: any in its bucket
 
 
 @dataclass(frozen=True)
