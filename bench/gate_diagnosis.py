@@ -8,6 +8,14 @@ its wall time and whether it was settled. Then the calibrator's bins and the gat
 raw and calibrated. A forecast that prices the wider ceilings' nodes at nothing, or a ratio
 that makes one ceiling dear, shows here before it shows as a wrong choice in the sweep.
 
+As the sweep runs, each adaptive run also prints its steps' choices in order: the ceiling (0:
+plain), marked `P` for a probe after plain steps, `N` for a probe of the choice's neighbours
+(a plain one included), `h` for a streak's step taken without deciding and `c` for a cruising
+step (the streak's width, 0 for a plain streak's), and at each decision
+[the plain step's predicted tokens/s | the best drafting ceiling: its predicted tokens/s]. A
+level where the gate drafts through every run while the sweep's `ar` beats its fixed budgets
+(or the reverse) shows which price was off.
+
 The records hook the policy's methods from outside (the engine has no such hooks: their calls
 would cost every step), so this is a diagnostic, not a benchmark: its timings carry the hooks.
 
@@ -56,6 +64,7 @@ class StepRecord:
 
 
 decisions: dict[int, list[Decision]] = defaultdict(list)
+choices: list[str] = []  # the adaptive steps' choices since the run began (`hook`)
 # (configuration, batch bucket) -> (tokens, ms) of each fixed-budget or plain step without prefills
 fixed_steps: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
 steps: dict[tuple[int, int], list[StepRecord]] = defaultdict(list)
@@ -67,7 +76,10 @@ def hook() -> None:
     drafted_ceilings = DraftGate._drafted_ceilings
     observe, record_step_ms = AdaptiveBudget.observe, AdaptiveBudget.record_step_ms
     init = AdaptiveBudget.__init__
+    gate_ceiling, cruised = DraftGate.ceiling, AdaptiveBudget.cruised
+    sweep_run = budget_sweep.tokens_per_s
     pending: dict[int, tuple[int, int, int, float, bool]] = {}
+    priced_now: dict[str, str] = {}  # the decision's prices, when the gate decided this step
 
     def priced(self: DraftGate, acceptance, caps, cost, build, layout, overhead):
         ceilings, rates, step_ms, forecast = drafted_ceilings(
@@ -80,6 +92,8 @@ def hook() -> None:
         plain_ratio = self.residual.ratio(batch_size, 0)
         plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / plain_ratio
         plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
+        best = int(np.argmax(rates))
+        priced_now["decision"] = f"[{plain_rate:.0f}|{ceilings[best]}:{float(rates[best]):.0f}]"
         decisions[batch_bucket(batch_size)].append(
             Decision(
                 batch_size,
@@ -113,6 +127,25 @@ def hook() -> None:
             steps[(batch_bucket(batch_size), ceiling)].append(StepRecord(tokens, forecast, step_ms, settled))
         record_step_ms(self, step_ms)
 
+    def chose(self: DraftGate, caps, *args, **kwargs) -> int:
+        priced_now.clear()
+        ceiling = gate_ceiling(self, caps, *args, **kwargs)
+        held = "h" if self.held or self.kept else ""
+        mark = "P" if self.probing else "N" if self.probing_neighbour else held
+        choices.append(f"{ceiling}{mark}{priced_now.get('decision', '')}")
+        return ceiling
+
+    def cruised_step(self: AdaptiveBudget, trees, accepted):
+        choices.append(f"{self._cruise.width if self._cruise else '?'}c")
+        return cruised(self, trees, accepted)
+
+    def timed_run(engine, prompts, concurrency, max_tokens, tag, log) -> float:
+        choices.clear()
+        rate = sweep_run(engine, prompts, concurrency, max_tokens, tag, log)
+        if engine.budget_policy is not None:
+            print(f"  c={concurrency} run {tag}, {rate:.0f} tok/s: " + " ".join(choices), flush=True)
+        return rate
+
     def initialized(self: AdaptiveBudget, *args, **kwargs) -> None:
         init(self, *args, **kwargs)
         policies.append(self)
@@ -130,6 +163,9 @@ def hook() -> None:
         return outputs
 
     SpecEngine.step = stepped  # type: ignore[method-assign]
+    DraftGate.ceiling = chose  # type: ignore[method-assign]
+    AdaptiveBudget.cruised = cruised_step  # type: ignore[method-assign]
+    budget_sweep.tokens_per_s = timed_run
     DraftGate._drafted_ceilings = priced  # type: ignore[method-assign]
     AdaptiveBudget.observe = observed  # type: ignore[method-assign]
     AdaptiveBudget.record_step_ms = recorded  # type: ignore[method-assign]
