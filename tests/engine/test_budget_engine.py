@@ -225,6 +225,22 @@ def test_a_plain_streak_cruises_unasked_until_its_batch_changes(make_pair_config
     assert not steps[drop][1]  # the batch changed: it planned
 
 
+def test_a_step_that_did_not_plan_arms_no_plain_cruise(make_pair_config, prompt_ids, cost_files):
+    """A step with the drafter lost decodes plainly without asking the gate: its end must not
+    arm a plain cruise (which would outlive the loss and keep the returned drafter idle for up
+    to `PLAIN_CRUISE_STEPS` steps the gate was never asked about); a plain streak's step does."""
+    config = make_pair_config(mode="ddtree", budget=8, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["costly_drafter"]}))
+    steer_by_the_file(engine)
+    policy = engine.budget_policy
+    add_greedy_requests(engine, prompt_ids, 40)
+    while not policy.cruising:  # a plain streak's step arms a cruise
+        engine.step()
+    policy.end_cruise()  # the drafter lost (`SpecEngine._lose_drafter`)
+    policy.record_step_ms(5.0)  # the lost step's end: no `plan` before it
+    assert not policy.cruising
+
+
 @pytest.mark.parametrize("graphs", ["eager", "captured", "none_for_the_batch"])
 def test_a_cruising_step_drafts_builds_and_records_at_its_width(
     make_pair_config, prompt_ids, cost_files, graphs

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, DraftGate
+from ddtree_serve.engine.budget.policy import PLAIN_CRUISE_STEPS
+from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import (
     MAX_RATIO,
     SHRINK_SAMPLES,
@@ -280,15 +282,16 @@ def forecast_gate() -> DraftGate:
     return gate
 
 
-def drafted_steps(gate: DraftGate, made_over_forecast: float, steps: int) -> list[bool]:
+def drafted_steps(gate: DraftGate, made_over_forecast: float, steps: int, cruise: bool = False) -> list[bool]:
     """Whether each of `steps` steps is a drafting choice's (probes after plain steps not
     counted; a drafting streak's plain probe counts as its streak's) when drafting is forecast
     11% above plain decoding (batch 2, flat 4 ms verifies, a 29 ms drafter call) and each
     drafted step takes its predicted time and makes `made_over_forecast` of the tokens it
-    forecast."""
+    forecast. `cruise`: a plain streak's step is followed by the plain steps the policy would
+    cruise through unasked (`PLAIN_CRUISE_STEPS`), counted in `steps`."""
     cost = flat_cost(verify_ms=4.0, draft_ms=29.0)
-    drafted = []
-    for _ in range(steps):
+    drafted: list[bool] = []
+    while len(drafted) < steps:
         ceiling = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
         drafted.append((ceiling > 0 and not gate.probing) or gate.probing_neighbour)
         decided = gate._decided  # (batch, ceiling, predicted ms, forecast tokens), or None
@@ -296,7 +299,11 @@ def drafted_steps(gate: DraftGate, made_over_forecast: float, steps: int) -> lis
             gate.record_step_ms(33.0 if ceiling else 4.0)
         else:
             gate.record_step_ms(decided[2], round(made_over_forecast * decided[3]) if ceiling else 2)
-    return drafted
+        if cruise and ceiling == 0:
+            for _ in range(min(gate.plain_steps_held_ahead(cost, StepOverhead()), PLAIN_CRUISE_STEPS)):
+                gate.hold_unchecked(plain=True)
+                drafted.append(False)
+    return drafted[:steps]
 
 
 def drafting_share(made_over_forecast: float) -> float:
@@ -353,13 +360,16 @@ def test_where_drafting_wins_by_far_no_plain_step_is_probed():
     assert all(ceilings)
 
 
-def test_a_gate_turned_plain_by_its_tokens_tries_drafting_again_as_they_fade():
+@pytest.mark.parametrize("cruise", [False, True])
+def test_a_gate_turned_plain_by_its_tokens_tries_drafting_again_as_they_fade(cruise):
     """Drafted steps made 70% of their forecast and the gate decodes plainly; its probes teach
     no tokens ratio (they draft a few requests of a batch), so the plain steps age it: once it
-    has faded the gate drafts again, and now that drafted steps make their forecast it stays."""
+    has faded the gate drafts again, and now that drafted steps make their forecast it stays.
+    The plain steps a plain streak cruises through unasked age it as the others do (else a
+    plain streak of cruises faded it eight times slower)."""
     gate = forecast_gate()
-    assert not any(drafted_steps(gate, 0.7, 60)[-20:])
-    again = drafted_steps(gate, 1.0, 400)
+    assert not any(drafted_steps(gate, 0.7, 60, cruise)[-20:])
+    again = drafted_steps(gate, 1.0, 400, cruise)
     assert sum(again[-100:]) >= 90
 
 

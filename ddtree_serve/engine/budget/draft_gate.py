@@ -303,21 +303,28 @@ class DraftGate:
             ),
         )
 
-    def plain_steps_held_ahead(self) -> int:
+    def plain_steps_held_ahead(self, cost: StepCost, overhead: StepOverhead) -> int:
         """Plain steps after this one that keep the plain streak without asking, as long as the
-        plain step's price stands still (the cost curve learns nothing meanwhile) and the batch
-        does not change: until its probe is due (0 unless this step took a plain streak's
-        choice, decided or held)."""
+        batch does not change and the cost curve learns nothing meanwhile: until its probe is
+        due (0 unless this step took a plain streak's choice, decided or held, or when the plain
+        step's price at its batch has moved since it was decided: `RECHECK_SHIFT`)."""
         if self._streak is None or self._streak_choice != 0 or self.probing or self.probing_neighbour:
+            return 0
+        if not self._streak_holds(*_prices(self._streak_batch, cost, overhead)):
             return 0
         return max(0, self.plain_probe_interval(self._streak_batch) - self.steps_since_probe)
 
-    def hold_unchecked(self) -> None:
+    def hold_unchecked(self, plain: bool = False) -> None:
         """A step that kept the streak's choice without asking (`steps_held_ahead`,
         `plain_steps_held_ahead`): it counts toward the recheck and the probe as a held step
-        does."""
+        does. A `plain` one also ages the ratios as the plain step it stands for would have
+        (`record_step_ms`): a gate that turned plain on drafted steps that made little tries
+        drafting again as they fade, and plain cruises are most of a plain streak's steps."""
         self.steps_since_probe += 1
         self._streak_age += 1
+        if plain:
+            self.residual.age()
+            self.token_residual.age()
 
     def plain_probe_interval(self, batch_size: int) -> int:
         """Plain steps between probes at this batch size's bucket (see `plain_probe_intervals`),
@@ -399,8 +406,8 @@ class DraftGate:
         one whose trees a request's end cut) still ages the ratios, so a gate that turned to
         plain steps on drafted steps that made little tries drafting again as they fade
         (`STALE_HALF_LIFE_STEPS`); probes alone cannot teach them (they draft a few requests of
-        the batch). Cruising steps, which the policy does not give here, neither teach nor age
-        them."""
+        the batch). Drafting cruises' steps, which the policy does not give here, neither teach
+        nor age them; plain cruises' age them (`hold_unchecked`)."""
         taught_tokens = False
         if self._decided is not None:
             batch_size, ceiling, predicted_ms, predicted_tokens = self._decided

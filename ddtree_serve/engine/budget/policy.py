@@ -217,11 +217,14 @@ class AdaptiveBudget:
         self._mean_deciding_ms = {False: 0.0, True: 0.0}  # plain, drafted (module docstring)
         self._cap_bucket = 0  # the power of two at or above the last `plan`'s widest cap
         self._cruise: _Cruise | None = None  # the steps a settled streak runs unasked (`cruise_width`)
+        # The step under way planned (a step with the drafter lost does not: it arms no cruise).
+        self._planned = False
 
     def plan(self, caps: Sequence[int]) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
         started = time.perf_counter()
         ceiling = self._plan(caps)
+        self._planned = True
         self._choose_ms = 0.0
         self._deciding_ms = 1000.0 * (time.perf_counter() - started)
         return ceiling
@@ -319,7 +322,7 @@ class AdaptiveBudget:
         cruise = self._cruise
         assert cruise is not None, "cruised without a cruise_width"
         cruise.steps_left -= 1
-        self.gate.hold_unchecked()
+        self.gate.hold_unchecked(plain=cruise.width == 0)
         if cruise.width == 0:  # a plain step's record (a new one: readers tell steps apart by it)
             zeros = (0,) * trees.batch_size
             self.last_step = BudgetStep(False, zeros, (0.0,) * trees.batch_size, zeros)
@@ -636,9 +639,13 @@ class AdaptiveBudget:
                 self.gate.record_step_ms(step_ms - self._deciding_ms + mean, tokens)
         self._priced_ms = None
         self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing
-        if self.last_step is not None and not self.last_step.drafted and self._ceiling == 0:
-            # Its batch exactly: a plain streak's price is read at the batch now (`DraftGate`).
-            ahead = min(self.gate.plain_steps_held_ahead(), PLAIN_CRUISE_STEPS)
+        planned, self._planned = self._planned, False
+        if planned and self.last_step is not None and not self.last_step.drafted and self._ceiling == 0:
+            # The step's verify time first: the cruise holds the price it moves (a plain lesson
+            # is the cost curve's only). Its batch exactly: a plain streak's price is read at
+            # the batch now (`DraftGate`).
+            self.learn()
+            ahead = min(self.gate.plain_steps_held_ahead(self.cost, self.overhead), PLAIN_CRUISE_STEPS)
             batch_size = len(self.last_step.num_nodes)
             if ahead > 0:
                 self._cruise = _Cruise(0, 0, batch_bucket(batch_size), self._cap_bucket, ahead, batch_size)
