@@ -326,10 +326,11 @@ class SpecEngine:
         restoring = not self._drafter_in_sync  # a drafter back from a loss takes whole contexts
         if self.drafter is None or not self._drafter_ready(self.drafter, requests):
             return running, None
+        cruise = None if self.budget_policy is None else self._start_cruise(requests)
+        if cruise is not None and cruise.width == 0:
+            return running, None  # a plain streak's cruise
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
-        if self.budget_policy is not None and (cruise := self._start_cruise(requests)) is not None:
-            if cruise.width == 0:
-                return running, None  # a plain streak's cruise
+        if cruise is not None:
             top_k = min(top_k, cruise.width)
         elif self.budget_policy is not None:
             ceiling = self.budget_policy.plan(self._adaptive_inputs_of(requests)[1])
@@ -562,12 +563,14 @@ class SpecEngine:
         policy = self.budget_policy
         if policy is None or not policy.cruising:
             return None
-        keepable = self._keepable_depths(requests)
         cap = max(r.tree_budget for r in requests)
         width = policy.cruise_width(len(requests), cap)
-        if width and min(keepable) <= 0:  # a plain cruise drafts nothing to keep
-            policy.end_cruise()
-            width = None
+        keepable: list[int] = []  # a plain cruise's: it drafts nothing to keep
+        if width:
+            keepable = self._keepable_depths(requests)
+            if min(keepable) <= 0:
+                policy.end_cruise()
+                width = None
         self._cruise_step = None if width is None else _CruiseStep(width, keepable, cap)
         return self._cruise_step
 
@@ -792,7 +795,8 @@ def _padded_to_graphs(trees: TreeBatch, captured: tuple[int, ...] | None) -> Bui
 
 @dataclass(frozen=True)
 class _CruiseStep:
-    """A cruising step's width, its requests' keepable depths and their widest cap."""
+    """A cruising step's width, its requests' keepable depths (none for a plain cruise's, which
+    drafts nothing) and their widest cap."""
 
     width: int
     keepable: list[int]
