@@ -346,8 +346,13 @@ def paired_ratios(row: dict, runs: dict[str, list[float]]) -> list[float]:
     the two ran within seconds of each other, so drift in the machine's speed, which moves whole
     rounds (on the CI CPU `ar`'s step took 6.3 ms in one sweep and 5.4 in the next minute), cancels
     in each ratio where it does not between two medians taken over different rounds."""
-    best = max((name for name in row if name not in ("concurrency", "adaptive")), key=row.__getitem__)
+    best = best_configuration(row)
     return [a / b for a, b in zip(runs["adaptive"], runs[best], strict=True)]
+
+
+def best_configuration(row: dict) -> str:
+    """The fastest of `ar` and the fixed budgets (`ddtree-B`) in a row: what adaptive is held to."""
+    return max((name for name in row if name == "ar" or name.startswith("ddtree-")), key=row.__getitem__)
 
 
 def _paired_line(row: dict, runs: dict[str, list[float]]) -> str:
@@ -506,7 +511,6 @@ def row_line(row: dict) -> str:
 def markdown_table(rows: list[dict], title: str, runs: list[dict[str, list[float]]] | None = None) -> str:
     """`runs`: each row's per-round rates (a live sweep's), for the paired ratio's column."""
     names = [k for k in rows[0] if k != "concurrency"]
-    fixed = [n for n in names if n.startswith("ddtree-")]
     paired_header = " | paired (range) |" if runs else " |"
     paired_note = ", and the median of adaptive / best round by round (`paired_ratios`), with its range"
     lines = [
@@ -519,7 +523,7 @@ def markdown_table(rows: list[dict], title: str, runs: list[dict[str, list[float
         "|---" * (len(names) + (4 if runs else 3)) + "|",
     ]
     for i, row in enumerate(rows):
-        best = max(row["ar"], *(row[n] for n in fixed))
+        best = row[best_configuration(row)]
         cells = " | ".join(f"{row[n]:.1f}" for n in names)
         ratios = f"{row['adaptive'] / best:.2f} | {row['adaptive'] / row['ar']:.2f}"
         if runs:
