@@ -10,6 +10,7 @@ sampling must follow the target's distribution.
 import dataclasses
 import json
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
@@ -64,13 +65,19 @@ def gentle_engine(make_pair_config, cost_files: dict[str, str]) -> SpecEngine:
     return engine
 
 
-def add_greedy_requests(engine: SpecEngine, prompt_ids: list[list[int]], max_tokens: int) -> None:
-    """Request `i` for `prompt_ids[i]`, greedy, exactly `max_tokens` new tokens."""
-    for i, prompt in enumerate(prompt_ids):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def add_greedy_requests(
+    engine: SpecEngine, prompt_ids: list[list[int]], max_tokens: int | Sequence[int]
+) -> None:
+    """Request `i` for `prompt_ids[i]`, greedy, exactly `max_tokens` new tokens (or
+    `max_tokens[i]`, one length a request, as many requests as lengths)."""
+    lengths = [max_tokens] * len(prompt_ids) if isinstance(max_tokens, int) else max_tokens
+    for i, (prompt, length) in enumerate(zip(prompt_ids, lengths, strict=False)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=length, ignore_eos=True))
 
 
-def plain_decoding(make_pair_config, prompt_ids: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+def plain_decoding(
+    make_pair_config, prompt_ids: list[list[int]], max_tokens: int | Sequence[int]
+) -> dict[str, list[int]]:
     """`add_greedy_requests`' outputs under plain decoding: what every adaptive run must equal."""
     plain = build_local_engine(make_pair_config(mode="ar", max_num_seqs=3))
     add_greedy_requests(plain, prompt_ids, max_tokens)
@@ -196,8 +203,7 @@ def test_a_plain_streak_cruises_unasked_until_its_batch_changes(make_pair_config
 
     policy.plan = recording_plan
     lengths = (16, 40, 40)  # the first request leaves the batch early
-    for i, (prompt, max_tokens) in enumerate(zip(prompt_ids, lengths, strict=False)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    add_greedy_requests(engine, prompt_ids, lengths)
     outputs: dict[str, list[int]] = {}
     steps: list[tuple[int, bool, BudgetStep | None]] = []  # (batch, cruised plain, record)
     while engine.has_unfinished_requests():
@@ -208,10 +214,7 @@ def test_a_plain_streak_cruises_unasked_until_its_batch_changes(make_pair_config
         plain_cruise = cruise is not None and cruise.width == 0
         assert not (plain_cruise and planned[-1])
         steps.append((batch_size, plain_cruise, policy.last_step))
-    plain = build_local_engine(make_pair_config(mode="ar", max_num_seqs=3))
-    for i, (prompt, max_tokens) in enumerate(zip(prompt_ids, lengths, strict=False)):
-        plain.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    assert outputs == run_to_completion(plain)
+    assert outputs == plain_decoding(make_pair_config, prompt_ids, lengths)
     cruised = [i for i, (_, plain_cruise, _) in enumerate(steps) if plain_cruise]
     assert len(cruised) >= 10
     for i in cruised:

@@ -282,28 +282,44 @@ def forecast_gate() -> DraftGate:
     return gate
 
 
-def drafted_steps(gate: DraftGate, made_over_forecast: float, steps: int, cruise: bool = False) -> list[bool]:
-    """Whether each of `steps` steps is a drafting choice's (probes after plain steps not
-    counted; a drafting streak's plain probe counts as its streak's) when drafting is forecast
-    11% above plain decoding (batch 2, flat 4 ms verifies, a 29 ms drafter call) and each
-    drafted step takes its predicted time and makes `made_over_forecast` of the tokens it
-    forecast. `cruise`: a plain streak's step is followed by the plain steps the policy would
-    cruise through unasked (`PLAIN_CRUISE_STEPS`), counted in `steps`."""
-    cost = flat_cost(verify_ms=4.0, draft_ms=29.0)
-    drafted: list[bool] = []
-    while len(drafted) < steps:
+def gate_steps(
+    gate: DraftGate,
+    steps: int,
+    draft_ms: float = 29.0,
+    made_over_forecast: float = 1.0,
+    plain_over_predicted: float = 1.0,
+    cruise: bool = False,
+) -> list[tuple[int, bool]]:
+    """Each of `steps` steps' ceiling, and whether it is a drafting choice's (probes after plain
+    steps not counted; a drafting streak's plain probe counts as its streak's), over batch 2:
+    flat 4 ms verifies and a `draft_ms` drafter call (at 29 ms drafting is forecast 11% above
+    plain decoding). Drafted steps take their predicted time and make `made_over_forecast` of
+    the tokens they forecast; plain steps take `plain_over_predicted` of their predicted time.
+    `cruise`: a plain streak's step is followed by the plain steps the policy would cruise
+    through unasked (`PLAIN_CRUISE_STEPS`), counted in `steps`."""
+    cost = flat_cost(verify_ms=4.0, draft_ms=draft_ms)
+    taken: list[tuple[int, bool]] = []
+    while len(taken) < steps:
         ceiling = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
-        drafted.append((ceiling > 0 and not gate.probing) or gate.probing_neighbour)
+        taken.append((ceiling, (ceiling > 0 and not gate.probing) or gate.probing_neighbour))
         decided = gate._decided  # (batch, ceiling, predicted ms, forecast tokens), or None
-        if decided is None:
-            gate.record_step_ms(33.0 if ceiling else 4.0)
+        predicted_ms = decided[2] if decided is not None else (4.0 + draft_ms if ceiling else 4.0)
+        if ceiling == 0:
+            gate.record_step_ms(plain_over_predicted * predicted_ms)
         else:
-            gate.record_step_ms(decided[2], round(made_over_forecast * decided[3]) if ceiling else 2)
+            made = None if decided is None else round(made_over_forecast * decided[3])
+            gate.record_step_ms(predicted_ms, made)
         if cruise and ceiling == 0:
             for _ in range(min(gate.plain_steps_held_ahead(cost, StepOverhead()), PLAIN_CRUISE_STEPS)):
                 gate.hold_unchecked(plain=True)
-                drafted.append(False)
-    return drafted[:steps]
+                taken.append((0, False))
+    return taken[:steps]
+
+
+def drafted_steps(gate: DraftGate, made_over_forecast: float, steps: int, cruise: bool = False) -> list[bool]:
+    """Whether each step is a drafting choice's (`gate_steps` with a 29 ms drafter call)."""
+    taken = gate_steps(gate, steps, made_over_forecast=made_over_forecast, cruise=cruise)
+    return [drafting for _, drafting in taken]
 
 
 def drafting_share(made_over_forecast: float) -> float:
@@ -320,21 +336,9 @@ def test_drafted_steps_that_make_fewer_tokens_than_forecast_turn_the_gate_to_pla
 
 
 def timed_steps(gate: DraftGate, draft_ms: float, plain_over_predicted: float, steps: int) -> list[int]:
-    """Each step's ceiling over batch 2 (flat 4 ms verifies, a `draft_ms` drafter call) when
-    drafted steps take their predicted time and make their forecast tokens, and plain steps
-    take `plain_over_predicted` of their predicted time."""
-    cost = flat_cost(verify_ms=4.0, draft_ms=draft_ms)
-    ceilings = []
-    for _ in range(steps):
-        ceiling = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
-        ceilings.append(ceiling)
-        decided = gate._decided  # (batch, ceiling, predicted ms, forecast tokens), or None
-        predicted_ms = decided[2] if decided is not None else (4.0 + draft_ms if ceiling else 4.0)
-        if ceiling == 0:
-            gate.record_step_ms(plain_over_predicted * predicted_ms)
-        else:
-            gate.record_step_ms(predicted_ms, None if decided is None else round(decided[3]))
-    return ceilings
+    """Each step's ceiling (`gate_steps`: drafted steps make their forecast tokens)."""
+    taken = gate_steps(gate, steps, draft_ms=draft_ms, plain_over_predicted=plain_over_predicted)
+    return [ceiling for ceiling, _ in taken]
 
 
 def test_a_close_drafting_streak_probes_a_plain_step_and_turns_plain_where_those_are_cheaper():
