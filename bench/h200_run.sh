@@ -42,7 +42,9 @@ for stage in "${STAGES[@]}"; do
           --device cuda --dtype bfloat16 --max-tokens 64 --out-dir "/tmp/budget_base$round"
         run "budget_head$round" 120 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
           --max-tokens 64 --out-dir "/tmp/budget_head$round"
-      done ;;
+      done
+      tar -cf "$OUT/budget_ab_json.tar" -C /tmp budget_base1/budget_sweep.json budget_head1/budget_sweep.json \
+        budget_base2/budget_sweep.json budget_head2/budget_sweep.json ;;
     hops) run hops 240 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8 \
       --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 --rounds 1 ;;
     serve) run serve 300 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
