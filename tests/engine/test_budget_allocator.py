@@ -18,7 +18,7 @@ from ddtree_serve.engine.budget import (
     allocate,
     plain_decode_rate,
 )
-from ddtree_serve.engine.budget.allocator import allocate_padded_rows, ceiling_rates
+from ddtree_serve.engine.budget.allocator import TRIM_MIN_GAIN, allocate_padded_rows, ceiling_rates
 from ddtree_serve.engine.budget.draft_gate import PROBE_SHARE
 from ddtree_serve.engine.budget.policy import (
     CALIBRATION_STEPS,
@@ -41,24 +41,46 @@ def linear_curve(fixed_ms: float, per_token_ms: float, draft_ms: float = 0.0) ->
     return CostCurve([1], tokens, [fixed_ms + per_token_ms * tokens], draft_ms=[draft_ms])
 
 
-def brute_force_best_rate(probs, caps, curve, draft_ms, layout) -> float:
-    best = 0.0
+def brute_force_best(probs, caps, curve, draft_ms, layout) -> tuple[float, int]:
+    """The best rate over every choice of tree sizes, and the draft nodes of that choice."""
+    best, best_nodes = 0.0, 0
     for counts in itertools.product(*[range(c + 1) for c in caps]):
         batch = len(counts)
         tokens = batch + sum(counts) if layout == "packed" else batch * (max(counts) + 1)
         expected = batch + sum(p[:n].sum() for p, n in zip(probs, counts, strict=True))
-        best = max(best, expected / (draft_ms + float(curve.verify_ms(batch, tokens))))
-    return 1000.0 * best
+        rate = expected / (draft_ms + float(curve.verify_ms(batch, tokens)))
+        if rate > best:
+            best, best_nodes = rate, sum(counts)
+    return 1000.0 * best, best_nodes
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_allocation_is_the_best_over_every_pair_of_tree_sizes(layout):
+def test_allocation_is_within_the_trim_margin_of_the_best_over_every_pair_of_tree_sizes(layout):
+    """The allocator keeps at least the best choice's nodes, at a predicted rate within
+    `TRIM_MIN_GAIN` of the best over every pair of tree sizes."""
     curve = linear_curve(fixed_ms=4.0, per_token_ms=0.5)
     caps = [8, 8]
     allocation = allocate([CONFIDENT, UNSURE], caps, curve, draft_ms=1.0, layout=layout)
-    best = brute_force_best_rate([CONFIDENT, UNSURE], caps, curve, 1.0, layout)
-    assert allocation.tokens_per_s == pytest.approx(best)
+    best, best_nodes = brute_force_best([CONFIDENT, UNSURE], caps, curve, 1.0, layout)
+    assert (1.0 - TRIM_MIN_GAIN) * best <= allocation.tokens_per_s <= best + 1e-9
+    assert sum(allocation.num_nodes) >= best_nodes
     assert all(0 <= n <= c for n, c in zip(allocation.num_nodes, caps, strict=True))
+
+
+def test_nodes_are_cut_only_for_a_clear_predicted_gain():
+    """Where the widest tree's predicted rate is within `TRIM_MIN_GAIN` of a narrower one's best,
+    the tree is kept whole; a deeper cut that gains more than that is taken."""
+    # One request, a step of 6 ms plus 1 ms per target token: the rate at widths 0..4 is flat
+    # near its top (width 2 best, width 4 1.5% below it).
+    probs = [np.array([0.9, 0.8, 0.3, 0.25])]
+    curve = linear_curve(fixed_ms=6.0, per_token_ms=1.0)
+    rates = [(1.0 + probs[0][:w].sum()) / (6.0 + w + 1) for w in range(5)]
+    assert max(rates) > rates[4] >= (1.0 - TRIM_MIN_GAIN) * max(rates)
+    assert allocate(probs, [4], curve, draft_ms=0.0, layout="padded").num_nodes == (4,)
+    assert allocate(probs, [4], curve, draft_ms=0.0, layout="packed").num_nodes == (4,)
+    unsure = [np.array([0.9, 0.05, 0.05, 0.05])]  # width 1 best, width 2 9% below it
+    assert allocate(unsure, [4], curve, draft_ms=0.0, layout="padded").num_nodes == (1,)
+    assert allocate(unsure, [4], curve, draft_ms=0.0, layout="packed").num_nodes == (1,)
 
 
 def test_the_confident_request_gets_more_nodes():
@@ -126,14 +148,15 @@ def test_a_width_is_priced_as_its_graph_bucket_and_filled_within_each_cap():
     """A graphed verify pads 4 tree tokens to its 8-token bucket: the width is priced as the
     8 tokens it runs, and the 7 draft nodes go to every request whose tree and cap have them."""
     cost = linear_curve(fixed_ms=2.0, per_token_ms=0.05)
-    probs, caps = [CONFIDENT, CONFIDENT, UNSURE], [8, 3, 8]
+    probs, caps = [CONFIDENT, CONFIDENT, UNSURE], [7, 3, 7]
     filled = allocate_padded_rows(*padded_rows(probs, caps), cost, draft_ms=0.0, token_buckets=(1, 2, 8))
     assert filled.num_nodes == (7, 3, 7)
     assert filled.expected_accepted[0] == pytest.approx(CONFIDENT[:7].sum())
     assert filled.step_ms == pytest.approx(float(cost.verify_ms(3, 3 * 8)))
-    # Eagerly one node pays; padded to the 8-token graph, no width does: its price decides.
+    # Eagerly one node pays best (widths 2 and 3 within `TRIM_MIN_GAIN` of it: 3 is kept);
+    # padded to the 8-token graph, no width does: its price decides.
     dear = linear_curve(fixed_ms=2.0, per_token_ms=1.0)
-    assert allocate_padded_rows(*padded_rows(probs, caps), dear, draft_ms=0.0).num_nodes == (1, 1, 1)
+    assert allocate_padded_rows(*padded_rows(probs, caps), dear, draft_ms=0.0).num_nodes == (3, 3, 3)
     root_only = allocate_padded_rows(*padded_rows(probs, caps), dear, draft_ms=0.0, token_buckets=(1, 8))
     assert root_only.num_nodes == (0, 0, 0)
 
@@ -161,7 +184,8 @@ def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
     assert plain_decode_rate(2, costly_drafter) > 0
     ceilings = [gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") for _ in range(30)]
     # A probe after 4 narrow steps (the first counts), then after 8, then 16: each found a loss.
-    assert [i for i, c in enumerate(ceilings) if c] == [3, 12, 29] and set(ceilings) == {0, 8}
+    # (At ceiling 4: ceiling 8 would keep its trees whole, within the trim margin but below.)
+    assert [i for i, c in enumerate(ceilings) if c] == [3, 12, 29] and set(ceilings) == {0, 4}
     cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
     record_curve(gate, CONFIDENT, CONFIDENT)
     assert gate.ceiling([8, 8], cheap_drafter, FREE_BUILD, "padded") > 0

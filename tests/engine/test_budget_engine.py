@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import pytest
 
 from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.budget import BudgetStep, BuildCost
+from ddtree_serve.engine.budget import BudgetStep, BuildCost, allocator
 from ddtree_serve.engine.budget.policy import LEARNING_STEPS, PLAIN_CRUISE_STEPS, _Cruise
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import StepResidual
@@ -150,10 +150,12 @@ def test_greedy_adaptive_equals_plain_decoding_oracle(
     assert_regime(cost, steps)
 
 
-def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_ids, cost_files):
+def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_ids, cost_files, monkeypatch):
     """Verified tokens cost enough that weighings keep only the likeliest nodes of a ceiling's
-    trees: a settled step asks the drafter for its width's ranks only and verifies trees no
-    wider, and the output stays plain decoding's."""
+    trees (with no trim margin, so they cut at the best width however close the wider ones):
+    a settled step asks the drafter for its width's ranks only and verifies trees no wider,
+    and the output stays plain decoding's."""
+    monkeypatch.setattr(allocator, "TRIM_MIN_GAIN", 0.0)
     max_tokens = 64
     engine = gentle_engine(make_pair_config, cost_files)
     policy = engine.budget_policy
