@@ -333,7 +333,8 @@ class SpecEngine:
         if cruise is not None:
             top_k = min(top_k, cruise.width)
         elif self.budget_policy is not None:
-            ceiling = self.budget_policy.plan(self._adaptive_inputs_of(requests)[1])
+            keepable, caps = self._adaptive_inputs_of(requests)
+            ceiling = self.budget_policy.plan(caps, keepable)
             if ceiling == 0:
                 return running, None
             top_k = min(top_k, self.budget_policy.settled_width or ceiling)
