@@ -199,8 +199,8 @@ def _log_choices(policy: AdaptiveBudget, log: dict[str, StepLog]) -> None:
     nodes, into `log["adaptive"]` (one policy lives through the sweep)."""
     plan, observe = policy.plan, policy.observe
 
-    def logged_plan(*args, **kwargs):
-        ceiling = plan(*args, **kwargs)
+    def logged_plan(caps):
+        ceiling = plan(caps)
         log.setdefault("adaptive", StepLog()).ceilings[ceiling] += 1
         return ceiling
 

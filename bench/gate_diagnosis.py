@@ -81,9 +81,9 @@ def hook() -> None:
     pending: dict[int, tuple[int, int, int, float, bool]] = {}
     priced_now: dict[str, str] = {}  # the decision's prices, when the gate decided this step
 
-    def priced(self: DraftGate, acceptance, caps, cost, build, layout, overhead, *rest):
+    def priced(self: DraftGate, acceptance, caps, cost, build, layout, overhead):
         ceilings, rates, step_ms, forecast = drafted_ceilings(
-            self, acceptance, caps, cost, build, layout, overhead, *rest
+            self, acceptance, caps, cost, build, layout, overhead
         )
         batch_size = len(caps)
         ratios = [self.residual.ratio(batch_size, c) for c in ceilings]

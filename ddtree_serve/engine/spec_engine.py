@@ -333,8 +333,7 @@ class SpecEngine:
         if cruise is not None:
             top_k = min(top_k, cruise.width)
         elif self.budget_policy is not None:
-            keepable, caps = self._adaptive_inputs_of(requests)
-            ceiling = self.budget_policy.plan(caps, keepable)
+            ceiling = self.budget_policy.plan(self._adaptive_inputs_of(requests)[1])
             if ceiling == 0:
                 return running, None
             top_k = min(top_k, self.budget_policy.settled_width or ceiling)

@@ -410,37 +410,6 @@ def test_the_gates_ceiling_rates_are_the_allocators(seed):
             np.testing.assert_allclose(rates, [a.tokens_per_s for a in expected])
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_a_request_near_its_end_is_priced_as_the_tree_it_can_keep(layout):
-    """The gate's rates with `keepable` are those of every request's cap cut to the draft
-    tokens it can still keep, whatever its cap."""
-    cost = CostCurve([1, 8], [1.0, 64.0, 4096.0], [[2.0, 4.0, 60.0], [3.0, 8.0, 90.0]], draft_ms=[0.5, 1.0])
-    ceilings, draft_ms = [1, 2, 4, 8, 16], np.linspace(0.5, 2.0, 5)
-    caps, keepable = [16, 16, 3, 0], [1, 20, 2, 5]
-    rates, step_ms = ceiling_rates(
-        CONFIDENT, caps, ceilings, cost, draft_ms=draft_ms, layout=layout, keepable=keepable
-    )
-    cut = [min(c, k) for c, k in zip(caps, keepable, strict=True)]
-    expected_rates, expected_ms = ceiling_rates(
-        CONFIDENT, cut, ceilings, cost, draft_ms=draft_ms, layout=layout
-    )
-    np.testing.assert_allclose(rates, expected_rates)
-    np.testing.assert_allclose(step_ms, expected_ms)
-
-
-def test_a_batch_at_its_requests_end_decodes_plainly_where_whole_trees_would_draft():
-    """Whole trees of a confident drafter pay for a 5 ms drafter call three times over; two
-    requests that can each keep one more draft token cannot (one node each: 3.9 tokens in 9 ms
-    against a plain step's 2 in 4), and the gate decodes plainly. On the CI CPU the last steps
-    of each 32-token run at c = 4, priced as whole trees, drafted where plain decoding won."""
-    cost = linear_curve(fixed_ms=4.0, per_token_ms=0.0, draft_ms=5.0)
-    whole, ending = DraftGate(probe_interval=64), DraftGate(probe_interval=64)
-    for gate in (whole, ending):
-        record_curve(gate, CONFIDENT, CONFIDENT)
-    assert whole.ceiling([8, 8], cost, FREE_BUILD, "padded") > 0
-    assert ending.ceiling([8, 8], cost, FREE_BUILD, "padded", keepable=[1, 1]) == 0
-
-
 def test_the_calibrator_learns_the_first_steps_at_once_then_in_batches():
     """The first drafted steps are much of what the calibrator knows: each is learned at once;
     later, one step in `NODE_LESSON_INTERVAL` (`SETTLED_LESSON_INTERVAL` in a settled streak)
@@ -797,9 +766,9 @@ def test_a_decisions_own_host_time_is_not_charged_to_its_ceiling(monkeypatch):
 
     slow_plan = policy._plan
 
-    def slow(caps, keepable):
+    def slow(caps):
         time.sleep(0.02)
-        return slow_plan(caps, keepable)
+        return slow_plan(caps)
 
     monkeypatch.setattr(policy.gate, "record_step_ms", recording)
     monkeypatch.setattr(policy, "_plan", slow)

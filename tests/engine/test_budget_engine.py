@@ -150,31 +150,6 @@ def test_greedy_adaptive_equals_plain_decoding_oracle(
     assert_regime(cost, steps)
 
 
-def test_the_gate_is_told_how_many_draft_tokens_each_request_can_still_keep(
-    make_pair_config, prompt_ids, cost_files
-):
-    """Every `plan` gets, per request of the step, the draft tokens its end leaves it (its
-    remaining tokens less the bonus), which bound what the gate forecasts of it; requests of
-    unlike lengths reach small ones, and the output stays plain decoding's."""
-    lengths = [40, 9, 17]
-    engine = gentle_engine(make_pair_config, cost_files)
-    policy = engine.budget_policy
-    plan = policy.plan
-    seen: list[tuple[list[int], list[int]]] = []
-
-    def recording_plan(caps, keepable=None):
-        requests = engine._adaptive_inputs[0]
-        left = [r.max_output_tokens - len(r.output_token_ids) - 1 for r in requests]
-        seen.append((list(keepable), left))
-        return plan(caps, keepable)
-
-    policy.plan = recording_plan
-    add_greedy_requests(engine, prompt_ids, lengths)
-    assert run_to_completion(engine) == plain_decoding(make_pair_config, prompt_ids, lengths)
-    assert seen and all(keepable == left for keepable, left in seen)
-    assert min(min(keepable) for keepable, _ in seen) < 8
-
-
 def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_ids, cost_files, monkeypatch):
     """Verified tokens cost enough that weighings keep only the likeliest nodes of a ceiling's
     trees (with no trim margin, so they cut at the best width however close the wider ones):
@@ -188,8 +163,8 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
     top_ks = recorded_top_ks(engine.drafter)
     plan = policy.plan
 
-    def recording_plan(caps, keepable=None):
-        ceiling = plan(caps, keepable)
+    def recording_plan(caps):
+        ceiling = plan(caps)
         settled_widths.append(policy.settled_width if ceiling else None)
         return ceiling
 
@@ -224,9 +199,9 @@ def test_a_plain_streak_cruises_unasked_until_its_batch_changes(make_pair_config
     planned: list[bool] = []
     plan = policy.plan
 
-    def recording_plan(caps, keepable=None):
+    def recording_plan(caps):
         planned[-1] = True
-        return plan(caps, keepable)
+        return plan(caps)
 
     policy.plan = recording_plan
     lengths = (16, 40, 40)  # the first request leaves the batch early
@@ -301,9 +276,9 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(
     top_ks = recorded_top_ks(engine.drafter)
     plan = policy.plan
 
-    def recording_plan(caps, keepable=None):
+    def recording_plan(caps):
         plans.append(len(top_ks))
-        return plan(caps, keepable)
+        return plan(caps)
 
     policy.plan = recording_plan
     add_greedy_requests(engine, prompt_ids, max_tokens)

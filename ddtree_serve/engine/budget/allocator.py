@@ -113,7 +113,6 @@ def ceiling_rates(
     *,
     draft_ms: np.ndarray,
     layout: TokenLayout,
-    keepable: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Best predicted tokens/s of each candidate ceiling when every request's candidates follow
     one acceptance `curve`, and the predicted step milliseconds of that best choice: for ceiling
@@ -122,16 +121,8 @@ def ceiling_rates(
     The gate asks this every step, so on the padded layout it is one pass for all ceilings: a
     width `w` within a ceiling gains the same accepted tokens under any larger one (and costs
     the same forward), so only each ceiling's fixed cost and its widest width differ.
-
-    `keepable[b]`: draft tokens request b can still keep (None: no end in reach). It is priced
-    as a tree of at most that many nodes, the best-first prefix that fits within its end,
-    however many nodes the build gives it: the deeper ones are cut, and the shallow siblings
-    that replace them are unlikely ones (on the CI CPU at batch 2 the last steps of 32-token
-    requests, forecast at 5.9 tokens as whole trees capped at the tokens they could keep, made 3).
     """
     draft_ms = np.asarray(draft_ms, dtype=np.float64)
-    if keepable is not None:
-        caps = np.minimum(np.asarray(caps), np.asarray(keepable)).tolist()
     if layout == "packed":
         allocations = [
             allocate([curve] * len(caps), [min(c, ceiling) for c in caps], cost, draft_ms=d, layout=layout)

@@ -170,7 +170,6 @@ class DraftGate:
         overhead: StepOverhead | None = None,
         learning: bool = False,
         calibrate: Calibration | None = None,
-        keepable: Sequence[int] | None = None,
     ) -> int:
         """Draft nodes per tree this step may build (0: decode plainly); counts toward a probe.
 
@@ -181,11 +180,7 @@ class DraftGate:
         Each candidate's predicted rate is divided by its measured step-time ratio and
         multiplied by its made-over-forecast tokens ratio (`step_residual.py`); `record_step_ms`
         teaches both from the step this chose.
-        `calibrate`: the acceptance of drafter probabilities (None: the curve is acceptance).
-        `keepable`: draft tokens each request can still keep (None: no end in reach); a
-        request's forecast is at most that (`ceiling_rates`). On the CI CPU at c = 4 the last
-        steps of each 32-token run were forecast 7.3-7.9 tokens at batch 2 and made 3: the gate
-        drafted through the tails that plain decoding won."""
+        `calibrate`: the acceptance of drafter probabilities (None: the curve is acceptance)."""
         overhead = overhead or StepOverhead()
         self._decided = None
         self.held = self.kept = False
@@ -236,7 +231,7 @@ class DraftGate:
         else:
             acceptance = self.curve if calibrate is None else calibrate(self.curve) * self.spread
             candidates, rates, step_ms, tokens = self._drafted_ceilings(
-                acceptance, caps, cost, build, layout, overhead, keepable
+                acceptance, caps, cost, build, layout, overhead
             )
             predicted_ms = dict(zip(candidates, step_ms.tolist(), strict=True))
             predicted_tokens = dict(zip(candidates, tokens.tolist(), strict=True))
@@ -435,20 +430,17 @@ class DraftGate:
         build: BuildCost,
         layout: TokenLayout,
         overhead: StepOverhead,
-        keepable: Sequence[int] | None = None,
     ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
         """The drafting ceilings, their predicted rates corrected by their measured ratios (tokens
         made over forecast, step time taken over predicted), and their predicted step
         milliseconds and tokens (the models' own, which the ratios are learned against).
-        `acceptance`: the recent curve, calibrated; `keepable`: as `ceiling` takes it."""
+        `acceptance`: the recent curve, calibrated."""
         batch_size = len(caps)
         candidates = powers_of_two_upto(max(caps))
         nodes_built = _nodes_built(caps, candidates)
         build_ms = build.ms(batch_size, nodes_built, np.minimum(candidates, max(caps)))
         draft_ms = cost.draft_ms(batch_size) + overhead.drafted_ms + build_ms
-        rates, step_ms = ceiling_rates(
-            acceptance, caps, candidates, cost, draft_ms=draft_ms, layout=layout, keepable=keepable
-        )
+        rates, step_ms = ceiling_rates(acceptance, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
         tokens = rates * step_ms / 1000.0
         made, took = self.token_residual, self.residual
         ratios = np.array([made.ratio(batch_size, c) / took.ratio(batch_size, c) for c in candidates])

@@ -220,18 +220,16 @@ class AdaptiveBudget:
         # The step under way planned (a step with the drafter lost does not: it arms no cruise).
         self._planned = False
 
-    def plan(self, caps: Sequence[int], keepable: Sequence[int] | None = None) -> int:
-        """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs.
-        `keepable`: draft tokens each request can still keep (None: no end in reach), which
-        bound what the gate forecasts of it."""
+    def plan(self, caps: Sequence[int]) -> int:
+        """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
         started = time.perf_counter()
-        ceiling = self._plan(caps, keepable)
+        ceiling = self._plan(caps)
         self._planned = True
         self._choose_ms = 0.0
         self._deciding_ms = 1000.0 * (time.perf_counter() - started)
         return ceiling
 
-    def _plan(self, caps: Sequence[int], keepable: Sequence[int] | None) -> int:
+    def _plan(self, caps: Sequence[int]) -> int:
         self._cruise = None
         self._cap_bucket = batch_bucket(max(caps, default=0))
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
@@ -254,7 +252,6 @@ class AdaptiveBudget:
             self.overhead,
             learning=self._learning,
             calibrate=self.calibrator.calibrate,
-            keepable=keepable,
         )
         # A streak's step takes the width its last weighing at this ceiling took, unweighed
         # (`choose`), until the gate decides again (at most `DRAFTED_RECHECK_STEPS` later): on
