@@ -35,16 +35,17 @@ for stage in "${STAGES[@]}"; do
       --max-tokens 64 --out-dir /tmp/budget --traces /tmp/budget/budget_traces_cuda.json
       cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png /tmp/budget/budget_build_cost_cuda.json "$OUT/"
       xz -c /tmp/budget/budget_traces_cuda.json >"$OUT/budget_traces_cuda.json.xz" ;;
-    budget_ab)  # base (bench/ab_base.sh, carried) and head in turn, two rounds, one warm machine
+    budget_ab)  # base (bench/ab_base.sh, carried) and head in turn, AB_ROUNDS rounds (2), one warm machine
       ln -sfn "$PWD/ddtree_serve/bundled" bench/out/base_src/ddtree_serve/bundled
-      for round in 1 2; do
+      rounds=$(seq 1 "${AB_ROUNDS:-2}")
+      for round in $rounds; do
         PYTHONPATH=bench/out/base_src:/tmp/site run "budget_base$round" 120 python3 bench/budget_sweep.py \
           --device cuda --dtype bfloat16 --max-tokens 64 --out-dir "/tmp/budget_base$round"
         run "budget_head$round" 120 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
           --max-tokens 64 --out-dir "/tmp/budget_head$round"
       done
-      tar -cf "$OUT/budget_ab_json.tar" -C /tmp budget_base1/budget_sweep.json budget_head1/budget_sweep.json \
-        budget_base2/budget_sweep.json budget_head2/budget_sweep.json ;;
+      tar -cf "$OUT/budget_ab_json.tar" -C /tmp $(for round in $rounds; do
+        echo "budget_base$round/budget_sweep.json budget_head$round/budget_sweep.json"; done) ;;
     hops) run hops 240 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8 \
       --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 --rounds 1 ;;
     serve) run serve 300 python3 bench/serve_load.py --device cuda --dtype bfloat16 \

@@ -559,18 +559,14 @@ class SpecEngine:
 
     def _start_cruise(self, requests: list[Request]) -> "_CruiseStep | None":
         """This step's cruise (`AdaptiveBudget.cruise_width`), None: it plans. A request that can
-        keep no draft token ends the cruise (its cap is 0: the weighing's case)."""
+        keep no draft token (its last) verifies its root only, as a fixed budget's does."""
         policy = self.budget_policy
         if policy is None or not policy.cruising:
             return None
         cap = max(r.tree_budget for r in requests)
         width = policy.cruise_width(len(requests), cap)
-        keepable: list[int] = []  # a plain cruise's: it drafts nothing to keep
-        if width:
-            keepable = self._keepable_depths(requests)
-            if min(keepable) <= 0:
-                policy.end_cruise()
-                width = None
+        # A plain cruise drafts nothing to keep.
+        keepable = self._keepable_depths(requests) if width else []
         self._cruise_step = None if width is None else _CruiseStep(width, keepable, cap)
         return self._cruise_step
 

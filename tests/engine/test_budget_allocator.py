@@ -27,6 +27,7 @@ from ddtree_serve.engine.budget.policy import (
     LEARNING_STEPS,
     NODE_LESSON_INTERVAL,
     SETTLED_LESSON_INTERVAL,
+    _Cruise,
 )
 from ddtree_serve.engine.budget.step_residual import StepResidual
 from ddtree_serve.tree import TreeBatch, build_ddtree, draft_topk
@@ -657,6 +658,21 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
         policy = cruising
         finish_step(policy, ceiling, seed)
     assert len(cruise_lengths) >= 8 and ends == {"probe", "recheck"} and teaching_settled > 0
+
+
+def test_a_drafting_cruise_holds_as_its_batch_drains_and_ends_when_it_grows():
+    """Requests finishing take the batch below a drafting cruise's bucket: it keeps cruising (a
+    fixed budget's width through a run's tail); a batch grown past the bucket ends it, and so
+    does a plain cruise's batch changing either way (its price is read at the batch now)."""
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
+    for batch_size in (8, 5, 3, 2, 1):
+        policy._cruise = _Cruise(ceiling=16, width=8, batch_bucket=8, cap_bucket=16, steps_left=2)
+        assert policy.cruise_width(batch_size, 16) == 8
+    policy._cruise = _Cruise(ceiling=16, width=8, batch_bucket=8, cap_bucket=16, steps_left=2)
+    assert policy.cruise_width(9, 16) is None and not policy.cruising
+    for batch_size, width in ((4, 0), (3, None), (5, None)):
+        policy._cruise = _Cruise(0, 0, batch_bucket=4, cap_bucket=16, steps_left=2, batch_size=4)
+        assert policy.cruise_width(batch_size, 16) == width
 
 
 def test_a_settled_steps_forecast_is_worked_out_when_read_with_the_map_it_was_chosen_with(monkeypatch):

@@ -305,6 +305,38 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(
         assert all(n in TOKEN_BUCKETS for n in padded)
 
 
+def test_a_drafting_cruise_holds_while_its_batch_drains(make_pair_config, prompt_ids, cost_files):
+    """Requests of three lengths finish one by one: a drafting cruise armed at the full batch
+    keeps cruising as the batch falls below its bucket (3 -> 2 -> 1), as a fixed budget keeps its
+    width, and a request at its last token (no draft token to keep) verifies its root only
+    without ending the cruise. The output stays plain decoding's."""
+    engine = gentle_engine(make_pair_config, cost_files)
+    policy = engine.budget_policy
+    policy.lesson_share = 0.0  # node lessons are dear: settled steps arm cruises
+    policy.cost.ema_weight = 0.0  # the file's prices hold: this machine's timings end no streak
+    lengths = (24, 44, 64)
+    add_greedy_requests(engine, prompt_ids, lengths)
+    outputs: dict[str, list[int]] = {}
+    batches: list[int] = []
+    cruised: list[tuple[int, list[int], BudgetStep]] = []  # (step, keepable depths, record)
+    while engine.has_unfinished_requests():
+        batch_size = engine.num_running or engine.num_waiting
+        outputs.update({out.request_id: list(out.token_ids) for out in engine.step() if out.finished})
+        cruise = engine._cruise_step
+        if cruise is not None and cruise.width > 0:
+            cruised.append((len(batches), list(cruise.keepable), policy.last_step))
+        batches.append(batch_size)
+    assert outputs == plain_decoding(make_pair_config, prompt_ids, lengths)
+    drained = [i for i, _, _ in cruised if i > 0 and batches[i] < batches[i - 1] and batches[i] <= 2]
+    assert drained  # a cruising step right after the batch left the bucket it was armed in
+    last_tokens = [(depths, record) for _, depths, record in cruised if len(depths) > 1 and min(depths) == 0]
+    assert last_tokens
+    for depths, record in last_tokens:
+        assert record.drafted and len(record.num_nodes) == len(depths)
+        for depth, nodes, accepted in zip(depths, record.num_nodes, record.accepted_per_request, strict=True):
+            assert depth > 0 or nodes == accepted == 0
+
+
 def test_an_engine_given_a_cruising_policy_plans_its_first_step(make_pair_config, cost_files):
     """A policy kept from a lost engine (or shared by a benchmark's engines) may have a cruise
     armed for that engine's streak: the engine it is given to ends it, so its first drafted
