@@ -276,7 +276,8 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
             for name, engine in configs[run % len(configs) :] + configs[: run % len(configs)]:
                 logs[name] = StepLog()
                 graphs = _num_graphs(target, drafter)
-                rate = tokens_per_s(engine, prompts, concurrency, args.max_tokens, str(run), logs[name])
+                tag, per_slot = str(run), args.requests_per_slot
+                rate = tokens_per_s(engine, prompts, concurrency, args.max_tokens, tag, logs[name], per_slot)
                 logs[name].graphs_captured = _num_graphs(target, drafter) - graphs
                 if run >= args.warmup_runs:
                     samples[name].append(rate)
@@ -309,17 +310,26 @@ def tokens_per_s(
     max_tokens: int,
     tag: str,
     log: StepLog,
+    requests_per_slot: int = 1,
 ) -> float:
     """Generated tokens/s of one run of `concurrency` identical-length requests (its steps,
-    tokens and seconds added to `log`)."""
+    tokens and seconds added to `log`). `requests_per_slot` > 1: each finished request's slot
+    takes the next one until `concurrency * requests_per_slot` have run (a server held at
+    `concurrency` requests in flight, as a serving benchmark's `--max-concurrency` holds it);
+    1: one closed batch, run until its last request finishes."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(concurrency):
         engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
+    added, total = concurrency, concurrency * requests_per_slot
     started = time.perf_counter()
     num_tokens = 0
     while engine.has_unfinished_requests():
-        num_tokens += sum(out.num_new_tokens for out in engine.step())
+        outputs = engine.step()
+        num_tokens += sum(out.num_new_tokens for out in outputs)
         log.steps += 1
+        for _ in range(min(sum(out.finished for out in outputs), total - added)):
+            engine.add_request(f"{tag}-{added}", prompts[added % len(prompts)], params)
+            added += 1
     elapsed = time.perf_counter() - started
     log.tokens += num_tokens
     log.seconds += elapsed
@@ -533,8 +543,9 @@ def markdown_table(rows: list[dict], title: str, runs: list[dict[str, list[float
     return "\n".join(lines) + "\n"
 
 
-def _live_title(device: str, dtype: str, max_tokens: int) -> str:
-    return f"Budget sweep, {device} {dtype}, {max_tokens} new tokens"
+def _live_title(device: str, dtype: str, max_tokens: int, requests_per_slot: int = 1) -> str:
+    arrivals = "" if requests_per_slot == 1 else f", {requests_per_slot} requests per slot in turn"
+    return f"Budget sweep, {device} {dtype}, {max_tokens} new tokens{arrivals}"
 
 
 def replot(path: Path) -> None:
@@ -543,7 +554,7 @@ def replot(path: Path) -> None:
     args = sweep["args"]
     if args.get("simulate_cost"):
         raise SystemExit(f"{path} is a simulation's: --replot takes a live sweep's JSON")
-    title = _live_title(args["device"], args["dtype"], args["max_tokens"])
+    title = _live_title(args["device"], args["dtype"], args["max_tokens"], args.get("requests_per_slot", 1))
     runs = [entry["runs"] for entry in sweep.get("steps", []) if "runs" in entry]
     table = markdown_table(sweep["rows"], title, runs if len(runs) == len(sweep["rows"]) else None)
     path.with_suffix(".md").write_text(table)
@@ -587,6 +598,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budgets", default="8,32,64", help="fixed DDTree budgets; the largest is the ceiling"
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=1,
+        help="requests each of the concurrency's slots runs in turn per run (1: one closed batch; "
+        "more: a finished request's slot takes the next, as a server held at that concurrency)",
+    )
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument(
         "--warmup-runs",
@@ -643,7 +661,8 @@ def main(argv: list[str] | None = None) -> None:
         rows, traces, diagnostics = run_live(args)
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         args.traces.write_text(json.dumps([t.as_json() for t in traces]) + "\n")
-        title, stem = _live_title(args.device, args.dtype, args.max_tokens), "budget_sweep"
+        title = _live_title(args.device, args.dtype, args.max_tokens, args.requests_per_slot)
+        stem = "budget_sweep"
     else:
         if not args.traces.exists():
             raise SystemExit(f"no traces at {args.traces}: run the live sweep first (it records them)")

@@ -139,9 +139,9 @@ def hook() -> None:
         choices.append(f"{self._cruise.width if self._cruise else '?'}c")
         return cruised(self, trees, accepted)
 
-    def timed_run(engine, prompts, concurrency, max_tokens, tag, log) -> float:
+    def timed_run(engine, prompts, concurrency, max_tokens, tag, log, requests_per_slot=1) -> float:
         choices.clear()
-        rate = sweep_run(engine, prompts, concurrency, max_tokens, tag, log)
+        rate = sweep_run(engine, prompts, concurrency, max_tokens, tag, log, requests_per_slot)
         if engine.budget_policy is not None:
             print(f"  c={concurrency} run {tag}, {rate:.0f} tok/s: " + " ".join(choices), flush=True)
         return rate

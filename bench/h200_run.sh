@@ -35,14 +35,15 @@ for stage in "${STAGES[@]}"; do
       --max-tokens 64 --out-dir /tmp/budget --traces /tmp/budget/budget_traces_cuda.json
       cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png /tmp/budget/budget_build_cost_cuda.json "$OUT/"
       xz -c /tmp/budget/budget_traces_cuda.json >"$OUT/budget_traces_cuda.json.xz" ;;
-    budget_ab)  # base (bench/ab_base.sh, carried) and head in turn, AB_ROUNDS rounds (2), one warm machine
+    budget_ab)  # base (bench/ab_base.sh, carried) and head in turn, AB_ROUNDS rounds (2), one warm machine;
+      # AB_ARGS: more budget_sweep.py arguments for both (e.g. --requests-per-slot 4)
       ln -sfn "$PWD/ddtree_serve/bundled" bench/out/base_src/ddtree_serve/bundled
       rounds=$(seq 1 "${AB_ROUNDS:-2}")
       for round in $rounds; do
         PYTHONPATH=bench/out/base_src:/tmp/site run "budget_base$round" 120 python3 bench/budget_sweep.py \
-          --device cuda --dtype bfloat16 --max-tokens 64 --out-dir "/tmp/budget_base$round"
+          --device cuda --dtype bfloat16 --max-tokens 64 --out-dir "/tmp/budget_base$round" ${AB_ARGS:-}
         run "budget_head$round" 120 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
-          --max-tokens 64 --out-dir "/tmp/budget_head$round"
+          --max-tokens 64 --out-dir "/tmp/budget_head$round" ${AB_ARGS:-}
       done
       tar -cf "$OUT/budget_ab_json.tar" -C /tmp $(for round in $rounds; do
         echo "budget_base$round/budget_sweep.json budget_head$round/budget_sweep.json"; done) ;;
