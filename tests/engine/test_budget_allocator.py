@@ -660,6 +660,46 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
     assert len(cruise_lengths) >= 8 and ends == {"probe", "recheck"} and teaching_settled > 0
 
 
+def test_a_request_at_its_last_token_leaves_the_others_weighing_and_settled_width(monkeypatch):
+    """One of two requests is at its last token (cap 0, a root-only tree) at every step, as some
+    request nearly always is in a server's full batch: the other's weighing still records its
+    width, and the streak's later steps settle at it, unweighed (a cap cuts only its own row)."""
+    import ddtree_serve.engine.budget.policy as policy_module
+
+    weighings = []
+    weigh = policy_module.allocate_padded_rows
+
+    def counting(*args, **kwargs):
+        weighings.append(True)
+        return weigh(*args, **kwargs)
+
+    monkeypatch.setattr(policy_module, "allocate_padded_rows", counting)
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
+    settled_unweighed = 0
+    for step in range(EARLY_CALIBRATIONS + 40):
+        ceiling = policy.plan([8, 0])
+        tree = build_ddtree(*random_draft(step, depth=6, k=8), ceiling, root_token=7)
+        built = TreeBatch.from_trees([tree]).with_root_only([7])
+        if ceiling == 0:  # a plain probe's step
+            policy.record_verify_ms(4.0)
+            policy.observe(built, [[], []])
+            policy.record_step_ms(5.0)
+            continue
+        policy.record_draft_ms(1.0)
+        weighings.clear()
+        allocation = policy.choose(built, [min(8, ceiling), 0])
+        assert allocation.num_nodes[1] == 0
+        if weighings:
+            assert policy._weighed == (ceiling, ceiling)  # nodes are free: whole trees
+        elif policy.settled:
+            settled_unweighed += 1
+            assert allocation.num_nodes[0] == built.num_nodes[0] - 1
+        policy.record_verify_ms(4.0)
+        policy.observe(built.prefix(allocation.num_nodes), [[1], []])
+        policy.record_step_ms(5.0)
+    assert settled_unweighed > 10
+
+
 def test_a_drafting_cruise_holds_as_its_batch_drains_and_ends_when_it_grows():
     """Requests finishing take the batch below a drafting cruise's bucket: it keeps cruising (a
     fixed budget's width through a run's tail); a batch grown past the bucket ends it, and so

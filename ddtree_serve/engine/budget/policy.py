@@ -425,7 +425,9 @@ class AdaptiveBudget:
             caps_np = np.maximum(np.asarray(caps), 0)
             if captured is not None:  # the widest tree a captured graph holds
                 caps_np = np.minimum(caps_np, captured[-1] - 1)
-            uncut = caps_np.min() >= lengths.max(initial=0)
+            # A row's cap cuts only its own tree: a request at its last token (cap 0) has a
+            # root-only tree, which leaves the others' weighing and width as they are.
+            uncut = bool(np.all(caps_np >= lengths))
             usable = lengths if uncut else np.minimum(lengths, caps_np)
             self._allocation = allocate_padded_rows(
                 calibrated,
@@ -454,10 +456,10 @@ class AdaptiveBudget:
         (one settled step in `SETTLED_LESSON_INTERVAL`) or metrics read them: the step is as
         lean as the choice allows."""
         lengths = trees.num_nodes - 1
-        smallest_cap = min(caps, default=0)
+        row_caps = np.asarray(caps)
         if captured is not None:
-            smallest_cap = min(smallest_cap, captured[-1] - 1)
-        if smallest_cap < int(lengths.max(initial=0)):
+            row_caps = np.minimum(row_caps, captured[-1] - 1)
+        if np.any(row_caps < lengths):
             return None
         batch_size = len(lengths)
         num_nodes = np.minimum(lengths, width)
