@@ -233,6 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)"
     )
+    parser.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=1,
+        help="requests each slot runs in turn per run (1: one closed batch; budget_sweep.py's option)",
+    )
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--warmup-runs", type=int, default=1)
     parser.add_argument(
@@ -249,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
         for run in range(args.warmup_runs + args.repeats):
             for name, engine in made.items():  # round-robin: drift falls on all alike
                 tag = f"{concurrency}-{run}"
-                rate = tokens_per_s(engine, prompts, concurrency, args.max_tokens, tag, StepLog())
+                log, per_slot = StepLog(), args.requests_per_slot
+                rate = tokens_per_s(engine, prompts, concurrency, args.max_tokens, tag, log, per_slot)
                 if run >= args.warmup_runs:
                     rates[name].append(rate)
         rows.append({"concurrency": concurrency, **{n: statistics.median(r) for n, r in rates.items()}})
