@@ -19,6 +19,12 @@ request's full best-first tree and the nodes verification accepted), saved for t
     python bench/budget_sweep.py --max-tokens 32                    # CPU, bundled pair
     python bench/budget_sweep.py --device cuda --dtype bfloat16 --max-tokens 256
 
+A run is one closed batch by default: `concurrency` requests start together and the run ends
+with the last. Its rate then rests on its slowest request (on the H200 at c = 8 and 16 fixed-32
+and fixed-64 take the same 20 steps a run, where at c = 1-4 64 makes 13-14% more tokens a step).
+`--requests-per-slot N` holds the concurrency instead, as a server at that load: each finished
+request's slot takes the next, N requests a slot per run.
+
 Simulation mode (`--simulate-cost FILE`): no model runs. Recorded traces (`--traces`, written
 by a live sweep) are replayed at each concurrency against the cost curve in FILE: a fixed
 budget b verifies each trace's first b nodes (greedy acceptance of a prefix is the accepted
