@@ -119,7 +119,7 @@ class ModelCostProbe:
         started = time.perf_counter()
         self.target.verify_and_commit(inputs)
         elapsed_ms = 1000.0 * (time.perf_counter() - started)
-        self._release(slots, drafter=False)
+        self._release(slots)
         return elapsed_ms
 
     def draft_ms(self, batch_size: int) -> float:
@@ -133,17 +133,20 @@ class ModelCostProbe:
         started = time.perf_counter()
         draft = self.drafter.draft(inputs)
         elapsed_ms = 1000.0 * (time.perf_counter() - started)
-        self._release(slots, drafter=True)
+        self._release(slots)
         return draft, elapsed_ms
 
     def _prefill(self, slots: list[int]):
         return self.target.prefill(PrefillInput(slots, [self.prompt] * len(slots), _greedy(len(slots)), None))
 
-    def _release(self, slots: list[int], drafter: bool) -> None:
+    def _release(self, slots: list[int]) -> None:
+        """Both sides of each slot, a verify's too: a served target's prefill delivers the slot's
+        context features to the drafter's worker, which keeps them until a draft takes them or
+        the slot is released (left there, the next draft of the slot found 29 deliveries for its
+        one context slice, and the served engine's start-up calibration failed)."""
         for slot in slots:
             self.target.release(slot)
-            if drafter:
-                self.drafter.release(slot)
+            self.drafter.release(slot)
 
 
 def _greedy(batch_size: int) -> SamplingBatch:
