@@ -305,6 +305,31 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(
         assert all(n in TOKEN_BUCKETS for n in padded)
 
 
+@pytest.mark.parametrize("cost", ["free_nodes", "gentle"])
+def test_a_requests_draft_budget_bounds_its_trees_under_the_adaptive_policy(
+    make_pair_config, prompt_ids, cost_files, cost
+):
+    """A request's own `draft_budget` is an upper bound on its tree, whatever the policy weighs,
+    settles or cruises (the engine's budget is the ceiling), and the output stays plain
+    decoding's. Free nodes keep every tree at its cap; the gentle file cuts them further."""
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files[cost]}))
+    steer_by_the_file(engine)
+    engine.budget_policy.lesson_share = 0.0  # settled steps arm cruises
+    caps = (3, 16, 6)
+    for i, (prompt, cap) in enumerate(zip(prompt_ids, caps, strict=False)):
+        params = SamplingParams(max_tokens=48, ignore_eos=True, draft_budget=None if cap == 16 else cap)
+        engine.add_request(str(i), prompt, params)
+    outputs, steps = run_recording_steps(engine)
+    assert outputs == plain_decoding(make_pair_config, prompt_ids[: len(caps)], 48)
+    full = [s for s in steps if s.drafted and len(s.num_nodes) == len(caps)]
+    assert len(full) >= 5
+    for step in full:
+        assert all(n <= cap for n, cap in zip(step.num_nodes, caps, strict=True))
+    if cost == "free_nodes":
+        assert any(step.num_nodes[0] == 3 and step.num_nodes[2] == 6 for step in full)
+
+
 def test_a_drafting_cruise_holds_while_its_batch_drains(make_pair_config, prompt_ids, cost_files):
     """Requests of three lengths finish one by one: a drafting cruise armed at the full batch
     keeps cruising as the batch falls below its bucket (3 -> 2 -> 1), as a fixed budget keeps its
