@@ -422,9 +422,7 @@ class AdaptiveBudget:
         self._whole_rows = None if cut_rows is None or not np.any(cut_rows) else ~np.asarray(cut_rows)
         draft_ms = self._drafted_step_ms(trees.batch_size)
         if self.layout == "padded":
-            caps_np = np.maximum(np.asarray(caps), 0)
-            if captured is not None:  # the widest tree a captured graph holds
-                caps_np = np.minimum(caps_np, captured[-1] - 1)
+            caps_np = _row_caps(caps, captured)
             # A row's cap cuts only its own tree: a request at its last token (cap 0) has a
             # root-only tree, which leaves the others' weighing and width as they are.
             uncut = bool(np.all(caps_np >= lengths))
@@ -456,10 +454,7 @@ class AdaptiveBudget:
         (one settled step in `SETTLED_LESSON_INTERVAL`) or metrics read them: the step is as
         lean as the choice allows."""
         lengths = trees.num_nodes - 1
-        row_caps = np.asarray(caps)
-        if captured is not None:
-            row_caps = np.minimum(row_caps, captured[-1] - 1)
-        if np.any(row_caps < lengths):
+        if np.any(_row_caps(caps, captured) < lengths):
             return None
         batch_size = len(lengths)
         num_nodes = np.minimum(lengths, width)
@@ -668,6 +663,13 @@ def _forecast_of(allocation: Allocation) -> Forecast:
         if isinstance(forecast, tuple)
         else functools.partial(getattr, allocation, "expected_accepted")
     )
+
+
+def _row_caps(caps: Sequence[int], captured: Sequence[int] | None) -> np.ndarray:
+    """Each request's draft nodes at most: its cap, and the widest tree a captured verify graph
+    holds (`captured`: the step's allowed buckets, None: any). A row's cap cuts its own tree only."""
+    row_caps = np.maximum(np.asarray(caps), 0)
+    return row_caps if captured is None else np.minimum(row_caps, captured[-1] - 1)
 
 
 def _first_probs(logws: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
