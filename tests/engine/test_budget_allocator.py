@@ -528,20 +528,26 @@ def test_a_probe_of_the_neighbouring_ceilings_always_teaches_the_gates_curve():
     assert len(taught[False]) > NODE_LESSON_INTERVAL and all(moved == turn for moved, turn in taught[False])
 
 
+def count_weighings(monkeypatch) -> list[bool]:
+    """A list that gains an entry each time the policy weighs widths (`allocate_padded_rows`)."""
+    import ddtree_serve.engine.budget.policy as policy_module
+
+    weighings: list[bool] = []
+    weigh = policy_module.allocate_padded_rows
+
+    def counting(*args, **kwargs):
+        weighings.append(True)
+        return weigh(*args, **kwargs)
+
+    monkeypatch.setattr(policy_module, "allocate_padded_rows", counting)
+    return weighings
+
+
 def run_streak(policy: AdaptiveBudget, monkeypatch, steps: int, cost_per_node: float) -> list[dict]:
     """`steps` drafted steps of one request at cap 8, each a new draft; per step whether it was
     settled, weighed widths (`allocate_padded_rows` called), its choice and built nodes, and the
     calibrated acceptance of its built nodes as `choose` saw it."""
-    import ddtree_serve.engine.budget.policy as policy_module
-
-    weighed = []
-    weigh = policy_module.allocate_padded_rows
-
-    def counting(*args, **kwargs):
-        weighed.append(True)
-        return weigh(*args, **kwargs)
-
-    monkeypatch.setattr(policy_module, "allocate_padded_rows", counting)
+    weighed = count_weighings(monkeypatch)
     records = []
     for step in range(steps):
         tree = TreeBatch.from_trees([build_ddtree(*random_draft(step, depth=6, k=8), 8, root_token=7)])
@@ -664,16 +670,7 @@ def test_a_request_at_its_last_token_leaves_the_others_weighing_and_settled_widt
     """One of two requests is at its last token (cap 0, a root-only tree) at every step, as some
     request nearly always is in a server's full batch: the other's weighing still records its
     width, and the streak's later steps settle at it, unweighed (a cap cuts only its own row)."""
-    import ddtree_serve.engine.budget.policy as policy_module
-
-    weighings = []
-    weigh = policy_module.allocate_padded_rows
-
-    def counting(*args, **kwargs):
-        weighings.append(True)
-        return weigh(*args, **kwargs)
-
-    monkeypatch.setattr(policy_module, "allocate_padded_rows", counting)
+    weighings = count_weighings(monkeypatch)
     policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
     settled_unweighed = 0
     for step in range(EARLY_CALIBRATIONS + 40):
