@@ -343,3 +343,25 @@ def _until_restarted(actor: Any, timeout_s: float = 120.0) -> None:
             pass
         time.sleep(0.05)
     pytest.fail(f"the target actor did not restart within {timeout_s:g} s")
+
+
+def test_the_adaptive_policy_calibrates_and_decodes_over_the_step_graph(
+    ray_cluster: None, local_engine: SpecEngine
+) -> None:
+    """The adaptive budget's start-up cost calibration (no cost file) runs through the step graph:
+    each of its prefills delivers the slot's context features to the drafter's worker, which keeps
+    them until a draft or a release of the slot (`ddtree-serve serve --budget-policy adaptive`
+    once failed to deploy on the deliveries it left behind). Its steps decode the in-process
+    engine's greedy tokens."""
+    adaptive = ENGINE.model_copy(update={"budget_policy": "adaptive", "cost_curve": None})
+    target, drafter = start_workers(ServeConfig(engine=adaptive))
+    assert isinstance(target, GraphTarget)  # the default transport: the step graph
+    try:
+        tokenizer = load_tokenizer(target_dir(adaptive))
+        engine = SpecEngine(adaptive.to_settings(), target, drafter, tokenizer)
+        assert engine.budget_policy is not None and engine.budget_policy.cost.draft_ms(1) > 0.0
+        assert run_schedule(engine, _mixed_schedule("a")) == run_schedule(local_engine, _mixed_schedule("a"))
+    finally:
+        target.close()
+        for actor in _actors(SimpleNamespace(target=target, drafter=drafter)):
+            ray.kill(actor)
