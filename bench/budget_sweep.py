@@ -23,7 +23,8 @@ A run is one closed batch by default: `concurrency` requests start together and 
 with the last. Its rate then rests on its slowest request (on the H200 at c = 8 and 16 fixed-32
 and fixed-64 take the same 20 steps a run, where at c = 1-4 64 makes 13-14% more tokens a step).
 `--requests-per-slot N` holds the concurrency instead, as a server at that load: each finished
-request's slot takes the next, N requests a slot per run.
+request's slot takes the next, N requests a slot per run, the first wave's lengths staggered so
+slots turn over one after another (`tokens_per_s`).
 
 Simulation mode (`--simulate-cost FILE`): no model runs. Recorded traces (`--traces`, written
 by a live sweep) are replayed at each concurrency against the cost curve in FILE: a fixed
@@ -318,14 +319,21 @@ def tokens_per_s(
     log: StepLog,
     requests_per_slot: int = 1,
 ) -> float:
-    """Generated tokens/s of one run of `concurrency` identical-length requests (its steps,
-    tokens and seconds added to `log`). `requests_per_slot` > 1: each finished request's slot
-    takes the next one until `concurrency * requests_per_slot` have run (a server held at
-    `concurrency` requests in flight, as a serving benchmark's `--max-concurrency` holds it);
+    """Generated tokens/s of one run of `concurrency` requests of `max_tokens` tokens each (its
+    steps, tokens and seconds added to `log`). `requests_per_slot` > 1: each finished request's
+    slot takes the next one until `concurrency * requests_per_slot` have run (a server held at
+    `concurrency` requests in flight, as a serving benchmark's `--max-concurrency` holds it),
+    the first request of slot i making `max_tokens * (i + 1) // concurrency` tokens, so slots
+    turn over one after another as a server's do: with one length for all, plain decoding's
+    requests stayed in lockstep, all finishing in one step and prefilling together once every
+    `max_tokens` steps, while drafting's spread out and paid a small prefill nearly every step
+    (a forward of a few prompts costs 1.2-1.5 ms in the H200's cost file, its batch-1 floor);
     1: one closed batch, run until its last request finishes."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(concurrency):
-        engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
+        first_tokens = max(1, max_tokens * (i + 1) // concurrency) if requests_per_slot > 1 else max_tokens
+        first = SamplingParams(max_tokens=first_tokens, ignore_eos=True)
+        engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], first)
     added, total = concurrency, concurrency * requests_per_slot
     started = time.perf_counter()
     num_tokens = 0
@@ -609,7 +617,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="requests each of the concurrency's slots runs in turn per run (1: one closed batch; "
-        "more: a finished request's slot takes the next, as a server held at that concurrency)",
+        "more: a finished request's slot takes the next, as a server held at that concurrency, "
+        "the first wave's lengths staggered)",
     )
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument(

@@ -147,10 +147,19 @@ class FakeDrafter:
     Per position d of the block (1-based), the true token is at rank 0 with probability
     `hit * decay**d`, else at rank 1 or 2 (a fifth of the misses each), else absent; the rank-0
     probability the drafter states is higher where it is right, as a real drafter's is, and the
-    log-probs descend along the ranks (`DraftOutput`)."""
+    log-probs descend along the ranks (`DraftOutput`). `catch_up_ms`: what each newcomer's first
+    draft (its prompt through the drafter) holds on top of the call's price (`--catch-up-ms`)."""
 
-    def __init__(self, cost: CostCurve, vocab_size: int, hit: float = 0.85, decay: float = 0.93) -> None:
+    def __init__(
+        self,
+        cost: CostCurve,
+        vocab_size: int,
+        hit: float = 0.85,
+        decay: float = 0.93,
+        catch_up_ms: float = 0.0,
+    ) -> None:
         self.cost = cost
+        self.catch_up_ms = catch_up_ms
         self.vocab_size = vocab_size
         self.block_size = BLOCK_SIZE
         self.hit, self.decay = hit, decay
@@ -160,7 +169,8 @@ class FakeDrafter:
         return True
 
     def draft(self, inputs: DraftInput) -> DraftOutput:
-        hold(self.cost.draft_ms(len(inputs.slots)))
+        newcomers = sum(slot not in self.context for slot in inputs.slots)
+        hold(self.cost.draft_ms(len(inputs.slots)) + self.catch_up_ms * newcomers)
         for slot, slices in zip(inputs.slots, inputs.contexts, strict=True):
             self.context[slot] = self.context.get(slot, 0) + sum(s.handle[s.index] for s in slices)
         slots = np.asarray(inputs.slots)[:, None]
@@ -204,7 +214,8 @@ def engines(args: argparse.Namespace, cost_path: str, tokenizer) -> dict[str, Sp
 
     def fakes() -> tuple[FakeTarget, FakeDrafter]:
         cost = load_cost_curve(cost_path)
-        return FakeTarget(cost, vocab_size, args.max_seq_len), FakeDrafter(cost, vocab_size)
+        drafter = FakeDrafter(cost, vocab_size, catch_up_ms=args.catch_up_ms)
+        return FakeTarget(cost, vocab_size, args.max_seq_len), drafter
 
     made: dict[str, SpecEngine] = {}
     target, _ = fakes()
@@ -238,6 +249,13 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=1,
         help="requests each slot runs in turn per run (1: one closed batch; budget_sweep.py's option)",
+    )
+    parser.add_argument(
+        "--catch-up-ms",
+        type=float,
+        default=0.0,
+        help="ms each newcomer's first draft (its prompt through the drafter) holds on top of the "
+        "call's price (default: %(default)s; the H200's continuous sweep at c = 64 suggests ~0.5)",
     )
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--warmup-runs", type=int, default=1)
