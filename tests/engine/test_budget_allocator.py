@@ -626,7 +626,11 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
     import ddtree_serve.engine.budget.policy as policy_module
 
     monkeypatch.setattr(policy_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
-    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
+    # Probes up to 64 steps apart: at batch 1 a streak rechecks after 32 (`recheck_steps`).
+    gate = DraftGate(probe_interval=64)
+    policy = AdaptiveBudget(
+        linear_curve(4.0, 0.0, draft_ms=1.0), gate=gate, learning_steps=0, lesson_share=0.0
+    )
     policy.gate.token_residual = StepResidual(frozen=True, mean=True)
     run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 4, cost_per_node=0.0)
     cruise_lengths, ends = [], set()

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, DraftGate
+from ddtree_serve.engine.budget.draft_gate import recheck_steps
 from ddtree_serve.engine.budget.policy import PLAIN_CRUISE_STEPS
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import (
@@ -244,7 +245,33 @@ def test_caps_shrinking_within_their_power_of_two_keep_the_streak(monkeypatch):
     for cap in (15, 14, 13, 12, 11, 10, 9):
         assert gate.ceiling([cap, cap], cost, FREE_BUILD, "padded") == cap
         gate.record_step_ms(5.0)
-    assert len(decisions) <= 1  # at most the recheck after DRAFTED_RECHECK_STEPS
+    assert len(decisions) <= 1  # at most the recheck (`recheck_steps`)
+
+
+@pytest.mark.parametrize(("batch_size", "held"), [(1, 32), (2, 16), (3, 11), (4, 8), (16, 8)])
+def test_a_drafting_streak_decides_again_once_its_steps_held_enough_requests(monkeypatch, batch_size, held):
+    """A decision re-reads the curve and the ratios, which a step moves by one tree a request: a
+    drafting streak keeps its choice for `DRAFTED_RECHECK_STEPS` steps, or as many as hold
+    `RECHECK_REQUESTS` requests between them at a smaller batch, then decides again."""
+    assert recheck_steps(batch_size) == held
+    gate = DraftGate(probe_interval=1024)
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    cost = flat_cost(verify_ms=4.0, draft_ms=1.0)
+    caps = [16] * batch_size
+    assert gate.ceiling(caps, cost, FREE_BUILD, "padded") > 0
+    gate.drafted_probe_interval = gate.probe_interval  # no probe in this run
+    decided: list[int] = []
+    original = gate._drafted_ceilings
+    for step in range(1, 3 * held):
+
+        def recorded(*args, step=step):
+            decided.append(step)
+            return original(*args)
+
+        monkeypatch.setattr(gate, "_drafted_ceilings", recorded)
+        gate.ceiling(caps, cost, FREE_BUILD, "padded")
+        gate.record_step_ms(5.0)
+    assert decided[:2] == [held + 1, 2 * held + 2]
 
 
 def test_a_ceiling_turned_away_from_does_not_fade_below_the_machines_level():

@@ -62,7 +62,17 @@ share), and the step after a probe of the choice's neighbours once the probe mov
 step-time ratio this much."""
 
 DRAFTED_RECHECK_STEPS = 8
-"""A drafting streak over the same batch decides again after this many steps."""
+"""A drafting streak over the same batch decides again after this many steps at least
+(`recheck_steps`)."""
+
+RECHECK_REQUESTS = 32
+"""... and after its steps held this many requests between them: at batch 1 a step teaches one
+request's tree, so eight of them move the curve little, while the decision costs what it costs
+at any batch (on the fake device's replay of the H200's costs at c = 1, 0.4-0.5 ms over a
+cruising step's 2.3). There, rechecking every 32 steps at batch 1 and 16 at batch 2 (8 from
+batch 4, as before) took c = 1 from 0.91-0.93 of the best fixed budget to 0.95-0.98 over five
+rounds; doubling the interval after each unchanged decision at every batch (the fifteenth
+session) had held an early choice at c = 8 on the H200."""
 
 FIRST_PROBE_INTERVAL = 2
 """Drafted steps at a new batch bucket before the first probe of the choice's neighbours."""
@@ -206,9 +216,8 @@ class DraftGate:
         if holds:
             # A streak over the same batch keeps its choice until its probe is due, and decides
             # again when a plain step's price moved (without a draft the curve stands still),
-            # or, drafting, when the drafter's did or the streak is `DRAFTED_RECHECK_STEPS`
-            # old: on a fast target the decision costs a tenth of a step, one step's curve
-            # moves it little.
+            # or, drafting, when the drafter's did or the streak is `recheck_steps` old: on a
+            # fast target the decision costs a tenth of a step, one step's curve moves it little.
             self.steps_since_probe += 1
             self._streak_age += 1
             self.probing = self.probing_neighbour = False
@@ -299,7 +308,7 @@ class DraftGate:
             0,
             min(
                 self.drafted_probe_interval - self.steps_since_probe,
-                DRAFTED_RECHECK_STEPS - self._streak_age,
+                recheck_steps(self._streak_batch) - self._streak_age,
             ),
         )
 
@@ -351,7 +360,7 @@ class DraftGate:
             interval = self.plain_probe_interval(self._streak_batch)
             return self.steps_since_probe < interval and not moved[0]
         due = self.steps_since_probe >= self.drafted_probe_interval
-        return not due and not any(moved) and self._streak_age < DRAFTED_RECHECK_STEPS
+        return not due and not any(moved) and self._streak_age < recheck_steps(self._streak_batch)
 
     def _probe_ceiling(
         self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float], plain: bool
@@ -496,6 +505,12 @@ class DraftGate:
             # its gain, and the next probe is a probe interval away.
             self.curve = np.concatenate((self.curve, step_curve[known:]))
             self.spread = np.concatenate((self.spread, step_spread[known:]))
+
+
+def recheck_steps(batch_size: int) -> int:
+    """Steps a drafting streak decided at this batch size keeps its choice before deciding
+    again (`DRAFTED_RECHECK_STEPS`, `RECHECK_REQUESTS`)."""
+    return max(DRAFTED_RECHECK_STEPS, -(-RECHECK_REQUESTS // max(batch_size, 1)))
 
 
 def _prices(batch_size: int, cost: StepCost, overhead: StepOverhead) -> tuple[float, float]:

@@ -83,7 +83,7 @@ learning steps always teach."""
 SETTLED_LESSON_INTERVAL = 8
 """A settled streak's steps (`settled`) teach their nodes one in this many: its trees are the
 width its last weighing kept, step after step, so a lesson adds little the last one did not
-(the gate decides again at most `DRAFTED_RECHECK_STEPS` later, with one more lesson learned);
+(the gate decides again at most `recheck_steps` later, with one more lesson learned);
 on the H200's host a node lesson took 0.13-0.3 ms, 0.03-0.06 ms of every settled step at one
 in `NODE_LESSON_INTERVAL`, a fifth of what a settled step spent over a fixed budget's."""
 
@@ -254,7 +254,7 @@ class AdaptiveBudget:
             calibrate=self.calibrator.calibrate,
         )
         # A streak's step takes the width its last weighing at this ceiling took, unweighed
-        # (`choose`), until the gate decides again (at most `DRAFTED_RECHECK_STEPS` later): on
+        # (`choose`), until the gate decides again (at most `recheck_steps` later): on
         # the H200 the weighing was a quarter of the adaptive step's extra host time at batch 1,
         # where it kept 31 of 32 nodes (the 32-token graph) step after step. So do the steps of
         # a streak whose batch shrinks within its bucket (requests finishing: a third of the
@@ -298,7 +298,7 @@ class AdaptiveBudget:
         budget keeps its width: on the H200 at c = 16 the steps after a run's first request
         finished were 60% of its steps, each leaving the cruise at a new bucket or at a request
         with no draft token to keep, and they decided and weighed at 5.3-5.6 ms where fixed-32's
-        took 4.7; the next decision, at most `DRAFTED_RECHECK_STEPS` later, is at the batch then.
+        took 4.7; the next decision, at most `recheck_steps` later, is at the batch then.
         A plain cruise holds at its batch exactly (its price is read at the batch now)."""
         cruise = self._cruise
         if cruise is None:
