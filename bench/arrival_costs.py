@@ -164,9 +164,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--target", default=None, help="target model dir (default: bundled)")
     parser.add_argument("--drafter", default=None, help="DFlash drafter dir (default: bundled)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--device", default="cpu", help="(default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[4, 16, 64], help="(default: %(default)s)"
+    )
     parser.add_argument(
         "--budgets", type=int, nargs="+", default=[8, 32], help="fixed budgets (default: %(default)s)"
     )

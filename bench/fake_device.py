@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.0,
         help="ms each newcomer's first draft (its prompt through the drafter) holds on top of the "
-        "call's price (default: %(default)s; the H200's continuous sweep at c = 64 suggests ~0.5)",
+        "call's price (default: %(default)s; a rough reading of the H200's lockstep sweep at c = 64 "
+        "gives ~0.5; bench/arrival_costs.py measures it)",
     )
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--warmup-runs", type=int, default=1)
