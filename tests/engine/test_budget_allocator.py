@@ -12,6 +12,7 @@ import torch
 
 from ddtree_serve.engine.budget import (
     AdaptiveBudget,
+    BudgetStep,
     BuildCost,
     CostCurve,
     DraftGate,
@@ -372,6 +373,48 @@ def test_policy_learns_from_what_verification_accepted():
     last = policy.choose(tree, [16])
     assert sum(last.expected_accepted) < 0.5 * sum(first.expected_accepted)
     assert last.num_nodes[0] <= first.num_nodes[0]
+
+
+def walked_tokens(tree, continuation: list[int], num_draft_nodes: int) -> int:
+    """Draft tokens a greedy walk of the tree's first `num_draft_nodes` draft nodes accepts
+    against the target's `continuation`."""
+    kept = num_draft_nodes + 1
+    node, accepted = 0, 0
+    while accepted < len(continuation):
+        children = [i for i in range(1, kept) if tree.parents[i] == node]
+        matching = [i for i in children if tree.token_ids[i] == continuation[accepted]]
+        if not matching:
+            return accepted
+        node, accepted = matching[0], accepted + 1
+    return accepted
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_tokens_a_steps_trees_make_cut_to_a_narrower_ceiling_are_their_prefixes_walks(seed):
+    """What the policy says a step's trees would have made at each narrower ceiling is what a
+    greedy walk of each tree's best-first prefix accepts against the same target tokens, plus
+    each request's bonus: the narrower ceiling's own trees, on the same text."""
+    trees, continuations, accepted_nodes = [], [], []
+    for row in range(3):
+        tree = build_ddtree(*random_draft(10 * seed + row, depth=6, k=4), 32, root_token=7)
+        deepest = int(np.argmax(tree.depths + np.arange(tree.num_nodes) * 1e-6 * (row % 2)))
+        path = []
+        while deepest > 0:
+            path.append(deepest)
+            deepest = int(tree.parents[deepest])
+        path = path[::-1][: 1 + row]  # rows accept 1, 2 and 3 nodes
+        trees.append(tree)
+        accepted_nodes.append(path)
+        continuations.append([int(tree.token_ids[i]) for i in path] + [-1])  # then a miss
+    policy = AdaptiveBudget(linear_curve(4.0, 0.3, draft_ms=1.0))
+    policy._ceiling = 32
+    policy._accepted_nodes = accepted_nodes
+    step = BudgetStep(True, (32, 32, 32), (0.0, 0.0, 0.0), tuple(len(p) for p in accepted_nodes), 32)
+    within = policy._tokens_within(step)
+    assert set(within) == {1, 2, 4, 8, 16, 31}
+    for ceiling, made in within.items():
+        walked = [walked_tokens(tree, cont, ceiling) for tree, cont in zip(trees, continuations, strict=True)]
+        assert made == sum(walked) + len(trees)
 
 
 def test_a_plain_step_teaches_the_cost_curve_only():
@@ -749,6 +792,9 @@ def test_a_settled_step_takes_its_ceilings_last_weighed_width(monkeypatch):
     the width the last weighing at its ceiling took (its count where it cut the tree, the whole
     tree where it kept it), with the forecast of those nodes."""
     policy = AdaptiveBudget(linear_curve(4.0, 3.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
+    # Every step accepts its first node only, so every narrower ceiling makes its tokens: the
+    # tokens ratios stay frozen, or the gate narrows its ceiling and no weighing cuts.
+    policy.gate.token_residual = StepResidual(frozen=True, mean=True)
     records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 60, cost_per_node=3.0)
     weighings = [r for r in records if r["weighed"]]
     assert sum(r["nodes"] < r["built"] for r in weighings) > 10
@@ -817,9 +863,9 @@ def test_a_decisions_own_host_time_is_not_charged_to_its_ceiling(monkeypatch):
     taught: list[float] = []
     record = policy.gate.record_step_ms
 
-    def recording(step_ms: float, tokens: int | None = None) -> None:
+    def recording(step_ms: float, tokens: int | None = None, tokens_within=None) -> None:
         taught.append(step_ms)
-        record(step_ms, tokens)
+        record(step_ms, tokens, tokens_within)
 
     slow_plan = policy._plan
 

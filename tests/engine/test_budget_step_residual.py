@@ -274,6 +274,38 @@ def test_a_drafting_streak_decides_again_once_its_steps_held_enough_requests(mon
     assert decided[:2] == [held + 1, 2 * held + 2]
 
 
+def test_a_decided_step_teaches_the_narrower_ceilings_tokens_from_its_trees_prefixes():
+    """A drafted step at ceiling 16 also tells what its trees' first 8 and 4 nodes made: each
+    narrower ceiling learns its tokens ratio against its own forecast at the decision, without
+    moving the bucket's level or the ratios' clock (the step counts once, at 16). A probe
+    narrower than the choice teaches its step time only: the choice's steps teach its tokens."""
+    gate = DraftGate(probe_interval=3)
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    cost = flat_cost(verify_ms=4.0, draft_ms=1.0)
+    assert gate.ceiling([16, 16], cost, FREE_BUILD, "padded") == 16
+    forecasts = dict(gate._narrower_forecasts)
+    assert set(forecasts) == {1, 2, 4, 8}
+    forecast_16 = gate._decided[3]
+    made = {8: round(0.5 * forecasts[8]), 4: round(0.5 * forecasts[4])}
+    gate.record_step_ms(5.0, tokens=20, tokens_within=made)
+    tokens = gate.token_residual
+    trust = 1 / (1 + SHRINK_SAMPLES)
+    level = 1.0 + trust * (20 / forecast_16 - 1.0)  # the bucket's: the one step, taught at 16
+    for ceiling in (8, 4):
+        sample = made[ceiling] / forecasts[ceiling]
+        assert tokens.ratio(2, ceiling) == pytest.approx(level + trust * (sample - level))
+    assert tokens._steps == 1
+    for _ in range(20):  # to the narrower probe of 16 (the probes take turns: wider, narrower, ...)
+        ceiling = gate.ceiling([16, 16], cost, FREE_BUILD, "padded")
+        if gate.probing_neighbour and ceiling < 16:
+            break
+        gate.record_step_ms(5.0, tokens=20)
+    assert gate.probing_neighbour and ceiling == 8
+    before = tokens.ratio(2, 8)
+    gate.record_step_ms(5.0, tokens=2)
+    assert tokens.ratio(2, 8) == pytest.approx(before, rel=0.05)  # aged a step, no lesson
+
+
 def test_a_ceiling_turned_away_from_does_not_fade_below_the_machines_level():
     """Plain steps run 1.1x their prediction (the machine's share of what the models miss);
     a drafting ceiling measured at 1.3x, then left for a long plain streak, fades toward 1.1,

@@ -41,6 +41,7 @@ overhead the predictions add holds it. The build's price learns the build stage 
 """
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
 from ddtree_serve.engine.budget.draft_gate import DraftGate
+from ddtree_serve.engine.budget.measure import powers_of_two_upto
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import batch_bucket
 from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
@@ -201,6 +203,9 @@ class AdaptiveBudget:
         # A request's end cut some of the step's trees: its tokens say nothing of the ceiling's
         # whole trees, which the gate forecast (`DraftGate.token_residual`).
         self._depth_cut = False
+        # The last observed step's accepted node indices per request (root = 0), for the
+        # tokens its trees' prefixes would have made (`_tokens_within`).
+        self._accepted_nodes: Sequence[Sequence[int]] = ()
         # Verified nodes (drafter probabilities, accepted or not) of drafted steps not yet taught
         # to the calibrator: it learns `CALIBRATION_STEPS` steps' at once (one update, one refit).
         self._calibration_batch: list[tuple[np.ndarray, np.ndarray]] = []
@@ -493,6 +498,7 @@ class AdaptiveBudget:
         drafted = self._allocation is not None
         verified = (trees.num_nodes - 1).tolist()  # draft nodes each tree verified
         accepted = tuple(len(nodes) for nodes in accepted_nodes)
+        self._accepted_nodes = accepted_nodes
         self.last_step = BudgetStep(
             drafted=drafted,
             num_nodes=tuple(verified),
@@ -562,6 +568,24 @@ class AdaptiveBudget:
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         self._catching_up = False
         return self.last_step
+
+    def _tokens_within(self, step: BudgetStep) -> dict[int, int]:
+        """Tokens the observed step's trees would have made cut to each power of two below its
+        ceiling (and within the widest tree it verified, whose prefixes they are): a best-first
+        tree's first c nodes are the tree ceiling c builds, and its path's nodes inside them
+        (their indices rise along the path) are what that tree accepts, the target's walk and
+        coins being the same up to them; each request adds its bonus (`DraftGate.record_step_ms`).
+        Padded trees only: a packed allocation's rows are not prefixes of one width."""
+        if self.layout != "padded":
+            return {}
+        widest = min(self._ceiling - 1, max(step.num_nodes, default=0))
+        ceilings = [c for c in powers_of_two_upto(widest) if c <= widest]
+        if not ceilings:
+            return {}
+        accepted = np.sort(np.fromiter(itertools.chain.from_iterable(self._accepted_nodes), dtype=np.int64))
+        inside = np.searchsorted(accepted, ceilings, side="right")
+        batch_size = len(step.num_nodes)
+        return {c: int(n) + batch_size for c, n in zip(ceilings, inside.tolist(), strict=True)}
 
     def _lessons_are_cheap(self) -> bool:
         """Whether a node lesson costs at most `lesson_share` of a drafted step (`LESSON_SHARE`)."""
@@ -639,7 +663,8 @@ class AdaptiveBudget:
             if drafted == (self._ceiling > 0) and not self._graph_capped:
                 step = self.last_step
                 tokens = None if self._depth_cut else step.accepted + len(step.num_nodes)
-                self.gate.record_step_ms(step_ms - self._deciding_ms + mean, tokens)
+                within = None if tokens is None or not drafted else self._tokens_within(step)
+                self.gate.record_step_ms(step_ms - self._deciding_ms + mean, tokens, within)
         self._priced_ms = None
         self._deciding_ms = self._choose_ms = 0.0  # a step without `plan` (drafter lost) decides nothing
         planned, self._planned = self._planned, False

@@ -118,14 +118,28 @@ class StepResidual:
         if not self.frozen:
             self._steps += 1
 
-    def observe(self, batch_size: int, ceiling: int, predicted_ms: float, measured_ms: float) -> None:
-        """One step at `ceiling` (0: plain) over `batch_size` requests, predicted and measured."""
+    def observe(
+        self,
+        batch_size: int,
+        ceiling: int,
+        predicted_ms: float,
+        measured_ms: float,
+        counterfactual: bool = False,
+    ) -> None:
+        """One step at `ceiling` (0: plain) over `batch_size` requests, predicted and measured.
+        `counterfactual`: what a step at a wider ceiling says of this one (its trees' prefixes):
+        it teaches this ceiling's ratio only, neither the bucket's level nor the clock (the step
+        counts once, at the ceiling it ran)."""
         if predicted_ms <= 0.0 or measured_ms <= 0.0 or self.frozen:
             return  # nothing to learn from, or frozen
-        self._steps += 1
+        if not counterfactual:
+            self._steps += 1
         sample = min(max(measured_ms / predicted_ms, 1.0 / MAX_RATIO), MAX_RATIO)
         bucket = batch_bucket(batch_size)
-        for table, key in ((self._ratios, (bucket, ceiling)), (self._levels, bucket)):
+        keys: list[tuple[dict, object]] = [(self._ratios, (bucket, ceiling))]
+        if not counterfactual:
+            keys.append((self._levels, bucket))
+        for table, key in keys:
             ratio = table.get(key)
             if ratio is None:  # built only when missing: this runs every step
                 ratio = table[key] = _Ratio(deque(maxlen=WINDOW), 0, self._steps)
