@@ -27,12 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget_sweep import PROMPTS, StepLog, tokens_per_s  # the sweep's prompts and runs
+from budget_sweep import StepLog, live_pair, tokens_per_s  # the sweep's pair, prompts and runs
 
-from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
 from ddtree_serve.engine.spec_engine import SpecEngine
-from ddtree_serve.models import load_tokenizer
 
 
 class CallTimes:
@@ -100,19 +97,7 @@ def medians(times: dict[int, list[float]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    base = EngineConfig(
-        target=args.target,
-        drafter=args.drafter,
-        device=args.device,
-        dtype=args.dtype,
-        budget=max(args.budgets),
-        max_num_seqs=max(args.concurrency),
-        max_seq_len=args.max_seq_len,
-        max_num_batched_tokens=1 << 20,
-    )
-    target, drafter = build_target_step(base), build_draft_step(base)
-    tokenizer = load_tokenizer(target_dir(base))
-    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    base, target, drafter, tokenizer, prompts = live_pair(args, max(args.budgets), max(args.concurrency))
     clock = CallTimes(args.device)
     clock.watch(target, drafter)
     engines = {

@@ -225,22 +225,29 @@ def _log_choices(policy: AdaptiveBudget, log: dict[str, StepLog]) -> None:
     policy.observe = logged_observe  # type: ignore[method-assign]
 
 
-def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], list[dict]]:
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    budgets = [int(b) for b in args.budgets.split(",")]
+def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
+    """The model pair the live runs share (`args.target`, `.drafter`, `.device`, `.dtype`,
+    `.max_seq_len`): the base engine config, the target and drafter steps, the tokenizer, and
+    the sweep's prompts as token ids."""
     base = EngineConfig(
         target=args.target,
         drafter=args.drafter,
         device=args.device,
         dtype=args.dtype,
-        budget=max(budgets),
-        max_num_seqs=max(concurrencies),
+        budget=budget,
+        max_num_seqs=max_num_seqs,
         max_seq_len=args.max_seq_len,
         max_num_batched_tokens=1 << 20,
     )
     target, drafter = build_target_step(base), build_draft_step(base)
     tokenizer = load_tokenizer(target_dir(base))
-    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    return base, target, drafter, tokenizer, [tokenizer.encode(p).ids for p in PROMPTS]
+
+
+def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], list[dict]]:
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    base, target, drafter, tokenizer, prompts = live_pair(args, max(budgets), max(concurrencies))
     cost_path = args.out_dir / f"budget_cost_{args.device.split(':')[0]}.json"
     started = time.perf_counter()
     calibrating = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer)

@@ -173,7 +173,7 @@ class DraftGate:
         # step's trees, cut to each, would have made teaches their tokens ratios too.
         self._narrower_forecasts: dict[int, float] = {}
         self._streak_tokens = 0.0  # the streak's forecast tokens a step (a drafting one's)
-        self._streak_forecasts: dict[int, float] = {}  # every ceiling's, at the streak's decision
+        self._streak_narrower: dict[int, float] = {}  # those below the streak's choice, at its decision
 
     def ceiling(
         self,
@@ -235,7 +235,7 @@ class DraftGate:
                 # A drafting streak's prediction was made for the batch and cap it was decided
                 # at: a smaller batch, or trees cut by a smaller cap, would teach a biased ratio.
                 self._decided = (batch_size, choice, self._streak_ms, self._streak_tokens)
-                self._narrower_forecasts = _below(self._streak_forecasts, choice)
+                self._narrower_forecasts = self._streak_narrower
                 self.held = True
             return choice
         plain_close = False  # whether a plain step is near enough to probe (`PLAIN_PROBE_MAX_GAIN`)
@@ -301,7 +301,7 @@ class DraftGate:
         self._streak_choice, self._streak_age, self._streak_batch = choice, 0, batch_size
         self._streak_ms = predicted_ms.get(choice, 0.0)
         self._streak_tokens = predicted_tokens.get(choice, 0.0)
-        self._streak_forecasts = predicted_tokens
+        self._streak_narrower = _below(predicted_tokens, choice)
         self._streak_prices = (plain_ms, draft_ms)
         return chosen
 
