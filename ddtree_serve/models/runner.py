@@ -159,7 +159,9 @@ class TargetRunner:
         """`prefill` for several slots in one forward -> (logits `[B, V]`, features `[T_b, F]` each).
 
         Rows are right-padded to the longest; padding writes only scratch rows past each
-        slot's new length and is masked out of every real query.
+        slot's new length and is masked out of every real query. On a graphed target a batch
+        that fits a verify bucket replays its graph, the prompts read as chain trees
+        (`TargetGraphs.prefill`): an eager prefill is launch-bound on a small model.
         """
         rows = [torch.as_tensor(ids, dtype=torch.int64) for ids in token_ids]
         counts = [int(r.shape[0]) for r in rows]
@@ -171,8 +173,24 @@ class TargetRunner:
         tokens = torch.zeros(len(rows), width, dtype=torch.int64)
         for b, row in enumerate(rows):
             tokens[b, : counts[b]] = row
-        tokens = tokens.to(device)  # [B, T]
         start_list = self.cache.slot_lengths(slots)
+        last = torch.tensor(counts, device=device) - 1  # [B]
+        graphed = None if self.graphs is None else self.graphs.prefill(slots, tokens, counts, start_list)
+        if graphed is None:
+            logits, features = self._eager_prefill(slots, tokens.to(device), start_list, last)
+        else:
+            all_logits, all_features = graphed  # [B, T, V], [B, T, F]: views of the graph's outputs
+            logits = all_logits[torch.arange(len(rows), device=device), last]
+            features = all_features.clone()  # the next verify overwrites the graph's outputs
+        self.cache.append(slots, counts)
+        return logits, [features[b, : counts[b]] for b in range(len(rows))]
+
+    def _eager_prefill(
+        self, slots: Sequence[int], tokens: torch.Tensor, start_list: Sequence[int], last: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill_batch`'s forward without a graph: `tokens [B, T]` on the device, `last [B]`
+        each row's last real index -> (its logits `[B, V]`, features `[B, T, F]`)."""
+        device, width = self.device, tokens.shape[1]
         starts = torch.tensor(start_list, dtype=torch.int64, device=device)[:, None]  # [B, 1]
         positions = starts + torch.arange(width, device=device)  # [B, T]
         num_rows = max(start_list) + width
@@ -180,12 +198,8 @@ class TargetRunner:
         mask = torch.arange(num_rows, device=device)[None, None, :] <= positions[..., None]  # [B, T, rows]
         writer = CacheWriter(self.cache, SlotIndex(slots, device), positions, num_rows)
         out = self.model(tokens, positions, mask, writer, self.target_layer_ids)
-        self.cache.append(slots, counts)
-        last = torch.tensor(counts, device=device) - 1  # [B]
-        batch_index = torch.arange(len(rows), device=device)
-        logits = self.model.logits(out.hidden[batch_index, last])  # [B, V]
-        features = context_features(out, self.target_layer_ids)  # [B, T, F]
-        return logits, [features[b, : counts[b]] for b in range(len(rows))]
+        batch_index = torch.arange(tokens.shape[0], device=device)
+        return self.model.logits(out.hidden[batch_index, last]), context_features(out, self.target_layer_ids)
 
     @torch.inference_mode()
     def context_features(self, token_ids: Sequence[int]) -> torch.Tensor:

@@ -4,6 +4,11 @@
 with the batch as it is, `TargetGraphs` with the batch padded to a bucket. Plain decoding is the
 N = 1 bucket (a root-only tree), so it needs no graph of its own.
 
+A prompt is a chain tree (node j at depth j sees nodes 0..j), so a prefill whose padded size fits
+`PREFILL_GRAPH_MAX_TOKENS` replays the same graphs (`TargetGraphs.prefill`): its node j is written
+to cache row `start + j`, exactly where the eager prefill writes it, so committing it is only
+advancing the slot's length.
+
 Padding keeps every real row's result what it would be alone:
   - padded nodes of a real row get token 0 at depth 0 and see only their own cache row
     (`start + j`, past the row's real nodes): no real node's mask column points at them;
@@ -62,6 +67,15 @@ def tree_verify_forward(
     positions = starts[:, None] + depths.clamp(min=0)
     out = model(tokens.clamp(min=0), positions, mask, writer, target_layer_ids)
     return model.logits(out.hidden), context_features(out, target_layer_ids)
+
+
+PREFILL_GRAPH_MAX_TOKENS = 64 * 65
+"""The most padded tokens (batch x nodes) a prefill takes through a graph: the verify of a batch of
+64 at the default budget of 64. A graph materialises every node's logits (`[tokens, vocab]`), so
+a larger prefill would grow the graphs' memory past what verification uses; it runs eagerly,
+where its cost is the device's work rather than the launches (on the H200 the bundled pair's
+eager prefill took ~7 ms at 1 to 64 prompts, 2-4 decode steps, against ~2 ms for the whole
+64-prompt verify graph)."""
 
 
 @dataclass
@@ -123,6 +137,26 @@ class TargetGraphs:
         logits, features = self.forward.run(key, fill)
         return logits[:batch_size, :num_nodes], features[:batch_size, :num_nodes]
 
+    @torch.inference_mode()
+    def prefill(
+        self, slots: Sequence[int], tokens: torch.Tensor, counts: Sequence[int], starts: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`TargetRunner.prefill_batch`'s forward from a verify graph, the prompts as chain trees:
+        `tokens [B, T]` (row b's first `counts[b]` real, written after `starts[b]` cached rows)
+        -> views `[B, T, ...]` of every node's logits and features, valid until the next verify,
+        or None (no bucket, or past `PREFILL_GRAPH_MAX_TOKENS`: run it eagerly). The caller
+        commits the rows by advancing the slots' lengths."""
+        batch_size, width = tokens.shape
+        key = self.bucket(batch_size, width, max(starts))
+        if key is None or key[0] * key[1] > PREFILL_GRAPH_MAX_TOKENS:
+            return None
+
+        def fill(inputs: VerifyInputs) -> None:
+            self._fill_chains(inputs, slots, tokens, counts, starts)
+
+        logits, features = self.forward.run(key, fill)
+        return logits[:batch_size, :width], features[:batch_size, :width]
+
     def _new_inputs(self, key: Hashable) -> VerifyInputs:
         padded_batch, padded_nodes, num_rows = key  # type: ignore[misc]
         shape = (padded_batch, padded_nodes)
@@ -150,6 +184,33 @@ class TargetGraphs:
         inputs.tree_mask.zero_()
         inputs.tree_mask.diagonal(dim1=1, dim2=2).fill_(True)  # padded nodes see themselves
         inputs.tree_mask[:batch_size, :num_nodes, :num_nodes] = batch.attn_mask
+
+    def _fill_chains(
+        self,
+        inputs: VerifyInputs,
+        slots: Sequence[int],
+        tokens: torch.Tensor,
+        counts: Sequence[int],
+        starts: Sequence[int],
+    ) -> None:
+        """Write prompts into the bucket as chains: real node j at depth j sees real nodes <= j;
+        padded nodes (and padded rows) as in `_fill`."""
+        batch_size, width = tokens.shape
+        padded_batch, padded_nodes = inputs.tokens.shape
+        padding = padded_batch - batch_size
+        host = torch.tensor(
+            [[*starts, *[0] * padding], [*slots, *[self.scratch_slot] * padding], [*counts, *[0] * padding]]
+        )
+        device_host = host.to(self.device, non_blocking=True)
+        inputs.starts_and_slots.copy_(device_host[:2])
+        inputs.tokens.zero_()
+        inputs.tokens[:batch_size, :width] = tokens
+        node = torch.arange(padded_nodes, device=self.device)
+        real = node[None, :] < device_host[2][:, None]  # [Bb, Nb]
+        inputs.depths.copy_(torch.where(real, node[None, :], 0))
+        causal = node[:, None] >= node[None, :]  # [Nb, Nb]: node i sees node j <= i
+        chains = causal[None] & real[:, :, None] & real[:, None, :]
+        inputs.tree_mask.copy_(chains | torch.eye(padded_nodes, dtype=torch.bool, device=self.device))
 
     def _forward(self, inputs: VerifyInputs) -> tuple[torch.Tensor, ...]:
         starts, slots = inputs.starts_and_slots

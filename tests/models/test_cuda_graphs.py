@@ -1,4 +1,5 @@
-"""CUDA graphs of the verify and draft forwards: padding to a bucket changes no real result.
+"""CUDA graphs of the verify and draft forwards (and of prefills, read as chain trees through the
+verify's): padding to a bucket changes no real result.
 
 On the CPU the padded forwards run eagerly (capture off) against the unpadded eager ones: the
 same numbers up to float32 rounding, and the same committed cache. On CUDA a replayed graph
@@ -19,7 +20,7 @@ from ddtree_serve.models.drafter import DFlashDrafter
 from ddtree_serve.models.drafter_graphs import DrafterGraphs
 from ddtree_serve.models.kv_cache import SlotKVCache
 from ddtree_serve.models.runner import TargetRunner
-from ddtree_serve.models.target_graphs import TargetGraphs
+from ddtree_serve.models.target_graphs import PREFILL_GRAPH_MAX_TOKENS, TargetGraphs
 from tests.engine.conftest import run_to_completion
 from tests.models.trees import random_parents, tree_inputs
 
@@ -134,8 +135,38 @@ def test_verify_without_a_bucket_runs_eagerly(tiny_target_dir: Path) -> None:
     for runner in (eager, padded):
         runner.prefill(0, prompt)
         outputs.append(runner.verify([0], batch))
-    assert padded.graphs is not None and padded.graphs.forward.num_buckets == 0
-    assert torch.equal(outputs[0][0], outputs[1][0])
+    # the prompt's bucket only (its prefill, a chain tree); the verify found none
+    assert padded.graphs is not None and padded.graphs.forward.num_buckets == 1
+    assert (outputs[0][0] - outputs[1][0]).abs().max() < TOL
+
+
+def test_prefill_from_a_verify_graph_equals_eager_prefill(tiny_target_dir: Path) -> None:
+    """Prompts as chain trees in a padded verify bucket: 3 -> 4 rows, 13 -> 16 nodes, then a
+    second chunk after each slot's cached prompt, then one too long for any bucket (eager).
+    Same logits, features and cache as the eager prefill; the padded rows touch no slot."""
+    num_slots, max_seq_len = 4, 300
+    eager = TargetRunner.from_pretrained(
+        tiny_target_dir, num_slots=num_slots, max_seq_len=max_seq_len, target_layer_ids=LAYER_IDS
+    )
+    padded = padded_target(tiny_target_dir, num_slots, max_seq_len)
+    gen = torch.Generator().manual_seed(11)
+    slots = [3, 0, 2]
+    for lengths in ((13, 5, 9), (1, 7, 2), (4, 270, 3)):
+        prompts = [torch.randint(0, eager.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+        (ref_logits, ref_features), (logits, features) = (
+            r.prefill_batch(slots, prompts) for r in (eager, padded)
+        )
+        assert logits.shape == ref_logits.shape and (logits - ref_logits).abs().max() < TOL, lengths
+        for got, ref in zip(features, ref_features, strict=True):
+            assert got.shape == ref.shape and (got - ref).abs().max() < TOL, lengths
+    assert padded.graphs is not None and padded.graphs.forward.num_buckets == 2  # the last ran eagerly
+    for slot in slots:
+        length = eager.seq_len(slot)
+        assert padded.seq_len(slot) == length
+        for cache in ("keys", "values"):
+            committed = getattr(eager.cache, cache)[:, slot, :length]
+            assert (getattr(padded.cache, cache)[:, slot, :length] - committed).abs().max() < TOL
+    assert not padded.cache.keys[:, 1].any()  # slot 1 holds no request
 
 
 def test_padded_draft_equals_eager_draft(tiny_target_dir: Path, tiny_drafter_dir: Path) -> None:
@@ -178,9 +209,18 @@ def test_cuda_verify_replay_equals_padded_eager_to_the_bit(tiny_target_dir: Path
     slots = list(range(16 - batch_size, 16))[::-1]  # descending: a gather, not a slice
     token_buckets = [n for n in TOKEN_BUCKETS if n <= 129]
     for prefix in (20, 400):  # row buckets 256 and 1024
-        runner.prefill_batch(
-            slots, [torch.randint(0, vocab, (prefix - b,), generator=gen) for b in range(batch_size)]
-        )
+        prompts = [torch.randint(0, vocab, (prefix - b,), generator=gen) for b in range(batch_size)]
+        counts = [len(p) for p in prompts]
+        tokens = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
+        chains = reference.prefill(slots, tokens, counts, runner.cache.slot_lengths(slots))
+        if chains is not None:  # a graphed prefill (at batch 16 the 400-token chains run eagerly)
+            last = torch.tensor(counts) - 1
+            want_logits, want_features = chains[0][torch.arange(batch_size), last], chains[1].clone()
+            logits, features = runner.prefill_batch(slots, prompts)
+            assert torch.equal(logits, want_logits), prefix
+            assert all(torch.equal(f, want_features[b, : counts[b]]) for b, f in enumerate(features)), prefix
+        else:
+            runner.prefill_batch(slots, prompts)
         for num_nodes in token_buckets:
             sizes = [max(1, num_nodes - b % 2) for b in range(batch_size)]
             batch = tree_inputs(random_trees(sizes, vocab, gen), padded_num_nodes=num_nodes).to("cuda")
@@ -189,7 +229,8 @@ def test_cuda_verify_replay_equals_padded_eager_to_the_bit(tiny_target_dir: Path
             assert eager is not None
             for got, want in zip(replayed, eager, strict=True):
                 assert torch.equal(got, want), (prefix, num_nodes)
-    assert runner.graphs.forward.num_graphs == 2 * len(token_buckets)
+    prefill_graphs = 1 if pick_bucket(batch_size, BATCH_BUCKETS) * 512 <= PREFILL_GRAPH_MAX_TOKENS else 0
+    assert runner.graphs.forward.num_graphs == 2 * len(token_buckets) + prefill_graphs  # 400 -> 512
 
 
 @pytest.mark.gpu
