@@ -72,6 +72,16 @@ def padded_drafter(drafter_dir: Path, target_dir: Path, num_slots: int, max_seq_
     return drafter
 
 
+def assert_same_committed_cache(eager: TargetRunner, padded: TargetRunner, slots: list[int]) -> None:
+    """Each slot holds as many rows in both runners, with the same keys and values."""
+    for slot in slots:
+        length = eager.seq_len(slot)
+        assert padded.seq_len(slot) == length
+        for cache in ("keys", "values"):
+            committed = getattr(eager.cache, cache)[:, slot, :length]
+            assert (getattr(padded.cache, cache)[:, slot, :length] - committed).abs().max() < TOL
+
+
 def random_trees(sizes: list[int], vocab: int, gen: torch.Generator) -> list[tuple[list[int], list[int]]]:
     return [(torch.randint(0, vocab, (n,), generator=gen).tolist(), random_parents(n, gen)) for n in sizes]
 
@@ -111,12 +121,7 @@ def test_padded_verify_equals_eager_verify_and_commits_the_same_cache(tiny_targe
         for runner in (eager, padded):
             runner.commit(slots, accept_index)
     assert padded.graphs is not None and padded.graphs.forward.num_buckets == 3
-    for slot in slots:
-        length = eager.seq_len(slot)
-        assert padded.seq_len(slot) == length
-        for cache in ("keys", "values"):
-            committed = getattr(eager.cache, cache)[:, slot, :length]
-            assert (getattr(padded.cache, cache)[:, slot, :length] - committed).abs().max() < TOL
+    assert_same_committed_cache(eager, padded, slots)
     untouched = padded.cache.keys[:, 1]  # slot 1 holds no request: no padded write lands there
     assert not untouched.any()
 
@@ -160,12 +165,7 @@ def test_prefill_from_a_verify_graph_equals_eager_prefill(tiny_target_dir: Path)
         for got, ref in zip(features, ref_features, strict=True):
             assert got.shape == ref.shape and (got - ref).abs().max() < TOL, lengths
     assert padded.graphs is not None and padded.graphs.forward.num_buckets == 2  # the last ran eagerly
-    for slot in slots:
-        length = eager.seq_len(slot)
-        assert padded.seq_len(slot) == length
-        for cache in ("keys", "values"):
-            committed = getattr(eager.cache, cache)[:, slot, :length]
-            assert (getattr(padded.cache, cache)[:, slot, :length] - committed).abs().max() < TOL
+    assert_same_committed_cache(eager, padded, slots)
     assert not padded.cache.keys[:, 1].any()  # slot 1 holds no request
 
 
