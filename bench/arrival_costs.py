@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         "| whole-batch draft ms by newcomers (calls) | ms / newcomer |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    print("\n".join(lines), flush=True)  # the rows below it as they come: a log cut short keeps them
     for concurrency in args.concurrency:
         for name, engine in engines.items():
             tokens_per_s(
