@@ -70,12 +70,13 @@ def tree_verify_forward(
 
 
 PREFILL_GRAPH_MAX_TOKENS = 64 * 65
-"""The most padded tokens (batch x nodes) a prefill takes through a graph: the verify of a batch of
-64 at the default budget of 64. A graph materialises every node's logits (`[tokens, vocab]`), so
+"""The most padded tokens (batch x nodes) a prefill takes through a graph: the verify of 64
+requests at budget 64, the widest the budget sweeps run (and above the 4096 prompt tokens one step
+takes by default, `max_num_batched_tokens`). A graph materialises every node's logits (`[tokens, vocab]`), so
 a larger prefill would grow the graphs' memory past what verification uses; it runs eagerly,
 where its cost is the device's work rather than the launches (the bundled pair's eager prefill
 took 6.6-8.3 ms at 1 to 64 prompts on the H200, 3-4 decode steps; from a graph, on an H100,
-1.4-3.0 ms where its eager one took 8.1-11.6)."""
+1.4-3.1 ms where its eager one took 8.1-11.9)."""
 
 
 @dataclass
