@@ -299,3 +299,42 @@ def test_cuda_greedy_output_with_graphs_equals_eager(
             engine.add_request(str(i), prompt, params)
         outputs.append(run_to_completion(engine))
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize(("mode", "budget"), [("ar", 1), ("ddtree", 8)])
+def test_engine_greedy_output_with_padded_target_graphs_equals_eager(
+    tiny_target_dir: Path, tiny_drafter_dir: Path, mode: str, budget: int
+) -> None:
+    """The engine over a target whose prefills and verifies run padded to buckets (the graphs'
+    path, capture off) makes the eager engine's greedy output: newcomers prefill as chains while
+    others verify trees, in batches of 1-3 (the 70-token prompt's chain pads to 96 nodes)."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 9, 70, 2)]
+    outputs, buckets = [], 0
+    for padded in (False, True):
+        config = EngineConfig(
+            target=str(tiny_target_dir),
+            drafter=str(tiny_drafter_dir),
+            mode=mode,
+            budget=budget,
+            max_num_seqs=3,
+            max_seq_len=256,
+        )
+        engine = build_local_engine(config)
+        if padded:
+            runner = engine.target.runner
+            runner.cache = with_scratch_slot(runner.cache)
+            runner.graphs = TargetGraphs(
+                runner.model,
+                runner.cache,
+                runner.target_layer_ids,
+                scratch_slot=runner.num_slots,
+                capture=False,
+            )
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        outputs.append(run_to_completion(engine))
+        if padded:
+            buckets = runner.graphs.forward.num_buckets
+    assert outputs[0] == outputs[1]
+    assert buckets > 0
