@@ -2,7 +2,8 @@
 verify's): padding to a bucket changes no real result.
 
 On the CPU the padded forwards run eagerly (capture off) against the unpadded eager ones: the
-same numbers up to float32 rounding, and the same committed cache. On CUDA a replayed graph
+same numbers up to float32 rounding, the same committed cache, and the same greedy engine
+output. On CUDA a replayed graph
 equals the padded forward run eagerly to the bit (float32), on every bucket, and greedy engine
 output with graphs equals eager output.
 """
