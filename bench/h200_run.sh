@@ -6,7 +6,8 @@
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
 # graph chain overlap direct sockets local local_chain local_interval local_hops local_profile
-# local_profile_tcp rtt core core_overlap core_interval colocated budget_ab budget_cont arrivals steps ttft ttft_direct ttft_sockets fake features features_test gate
+# local_profile_tcp rtt core core_overlap core_interval colocated budget_ab budget_cont arrivals
+# arrivals_ab ttft_ab steps ttft ttft_direct ttft_sockets fake features features_test gate
 # (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
@@ -52,6 +53,19 @@ for stage in "${STAGES[@]}"; do
       done
       tar -cf "$OUT/budget_ab_json.tar" -C /tmp $(for round in $rounds; do
         echo "budget_base$round/budget_sweep.json budget_head$round/budget_sweep.json"; done) ;;
+    arrivals_ab|ttft_ab)  # base (bench/ab_base.sh, carried) then head, on one machine: what an
+      # arrival costs (arrival_costs.py), or a served first token's parts (ttft_breakdown.py)
+      ln -sfn "$PWD/ddtree_serve/bundled" bench/out/base_src/ddtree_serve/bundled
+      for side in base head; do
+        path=$([ "$side" = base ] && echo bench/out/base_src || echo .)
+        if [ "$stage" = arrivals_ab ]; then
+          PYTHONPATH=$path:/tmp/site run "arrivals_$side" 120 python3 bench/arrival_costs.py \
+            --device cuda --dtype bfloat16 --concurrency 1 16 64 --out-dir "/tmp/arrivals_$side"
+        else
+          PYTHONPATH=$path:/tmp/site run "ttft_$side" 120 python3 bench/ttft_breakdown.py \
+            --device cuda --dtype bfloat16 --transport sockets --serve-throughput-optimized --direct-ingress
+        fi
+      done ;;
     hops) run hops 240 python3 bench/hop_breakdown.py --device cuda --dtype bfloat16 --num-cpus 8 \
       --batch-sizes 1 16 64 --repeats 50 --chunks 50 --steps 20 --rounds 1 ;;
     serve) run serve 300 python3 bench/serve_load.py --device cuda --dtype bfloat16 \
