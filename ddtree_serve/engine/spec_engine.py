@@ -25,7 +25,7 @@ cached text into a whole new context for it (`_restore_drafter`), and speculatio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -579,9 +579,13 @@ class SpecEngine:
         policy = self.budget_policy
         assert policy is not None
         captured = self._allowed_buckets(requests, min(cruise.cap, policy.ceiling))
-        budgets = _within_graphs([min(r.tree_budget, cruise.width) for r in requests], captured)
+        widths = [min(r.tree_budget, cruise.width) for r in requests]
+        budgets = _within_graphs(widths, captured)
         built = build_host_tree_batch(draft.logp, draft.ids, budgets, [_bonus(r) for r in requests])
-        return _padded_to_graphs(built.within_depth(cruise.keepable), captured)
+        kept = built.within_depth(cruise.keepable)
+        # Trees neither a graph's width nor a request's end cut: the step's tokens teach the gate.
+        self._cruise_step = replace(cruise, whole=budgets is widths and kept is built)
+        return _padded_to_graphs(kept, captured)
 
     def _allowed_buckets(self, requests: list[Request], ceiling: int) -> tuple[int, ...] | None:
         """The tree-token buckets an adaptive step of trees up to `ceiling` nodes may verify in
@@ -662,7 +666,7 @@ class SpecEngine:
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
         if self._cruise_step is not None and trees.host is not None:
-            self.budget_policy.cruised(trees.host, accept_len)  # type: ignore[union-attr]
+            self.budget_policy.cruised(trees.host, accept_len, self._cruise_step.whole)  # type: ignore[union-attr]
         elif self.budget_policy is not None and trees.host is not None:
             accepted: list[list[int]] = [[] for _ in accept_len]  # a plain step's (every one empty)
             if any(accept_len):
@@ -792,11 +796,12 @@ def _padded_to_graphs(trees: TreeBatch, captured: tuple[int, ...] | None) -> Bui
 @dataclass(frozen=True)
 class _CruiseStep:
     """A cruising step's width, its requests' keepable depths (none for a plain cruise's, which
-    drafts nothing) and their widest cap."""
+    drafts nothing) and their widest cap; once built, whether its trees are whole (`whole`)."""
 
     width: int
     keepable: list[int]
     cap: int
+    whole: bool = False
 
 
 class _Raising:

@@ -662,7 +662,7 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
     same choice and probe count, as asking `plan` at every step, whether the probe or the
     recheck ends the streak; a cruising step's record is a drafted one at the settled width.
     The gate's tokens ratios stay frozen: asking teaches them at each held step and cruising
-    does not (as it skips the step-time lessons), which is not the schedule compared here. The
+    at each step whose trees are whole (not said here), which is not the schedule compared. The
     policy's clock stands still: asking measures its own deciding time at every step and takes
     it out of the step times the gate learns, so host timing moved the ratios of one copy and
     not the other (the test failed one run in four on the H200 machine's host)."""
@@ -742,6 +742,35 @@ def test_a_request_at_its_last_token_leaves_the_others_weighing_and_settled_widt
         policy.observe(built.prefix(allocation.num_nodes), [[1], []])
         policy.record_step_ms(5.0)
     assert settled_unweighed > 10
+
+
+def test_a_drafting_cruise_teaches_its_tokens_ratio_from_whole_trees_at_its_batch():
+    """A drafting cruise's steps teach the streak's ceiling its made / forecast tokens ratio
+    when their trees are whole (`whole`, the engine's) and the batch is the one the streak was
+    decided at; a step with cut trees, a drained batch or a plain cruise teaches nothing."""
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
+    gate = policy.gate
+    gate._streak_choice, gate._streak_batch, gate._streak_tokens = 16, 2, 10.0
+    drafts = [random_draft(seed, depth=6, k=8) for seed in (1, 2)]
+    pair = TreeBatch.from_trees([build_ddtree(*draft, 8, root_token=7) for draft in drafts])
+
+    def samples() -> int:
+        ratio = gate.token_residual._ratios.get((2, 16))
+        return 0 if ratio is None else ratio.samples
+
+    taught = []
+    for whole, trees, accepted, width in (
+        (False, pair, [1, 2], 8),
+        (True, pair, [1, 2], 0),
+        (True, TreeBatch.from_trees([build_ddtree(*drafts[0], 8, root_token=7)]), [4], 8),  # drained to 1
+        (True, pair, [1, 2], 8),
+    ):
+        policy._cruise = _Cruise(ceiling=16, width=width, batch_bucket=2, cap_bucket=16, steps_left=2)
+        before = samples()
+        policy.cruised(trees, accepted, whole=whole)
+        taught.append(samples() > before)
+    assert taught == [False, False, False, True]
+    assert gate.token_residual._ratios[(2, 16)].center == pytest.approx(0.5)  # 5 made of 10 forecast
 
 
 def test_a_drafting_cruise_holds_as_its_batch_drains_and_ends_when_it_grows():

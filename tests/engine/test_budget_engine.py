@@ -171,9 +171,9 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
     policy.plan = recording_plan
     cruised = policy.cruised
 
-    def recording_cruised(trees, accepted):  # a plain streak's step that did not plan
+    def recording_cruised(trees, accepted, whole=False):  # a plain streak's step that did not plan
         settled_widths.append(None)
-        return cruised(trees, accepted)
+        return cruised(trees, accepted, whole)
 
     policy.cruised = recording_cruised
     add_greedy_requests(engine, prompt_ids, max_tokens)
@@ -334,7 +334,8 @@ def test_a_drafting_cruise_holds_while_its_batch_drains(make_pair_config, prompt
     """Requests of three lengths finish one by one: a drafting cruise armed at the full batch
     keeps cruising as the batch falls below its bucket (3 -> 2 -> 1), as a fixed budget keeps its
     width, and a request at its last token (no draft token to keep) verifies its root only
-    without ending the cruise. The output stays plain decoding's."""
+    without ending the cruise (that step's trees are cut: it teaches no tokens ratio, where
+    cruising steps of whole trees do). The output stays plain decoding's."""
     engine = gentle_engine(make_pair_config, cost_files)
     policy = engine.budget_policy
     policy.lesson_share = 0.0  # node lessons are dear: settled steps arm cruises
@@ -344,18 +345,23 @@ def test_a_drafting_cruise_holds_while_its_batch_drains(make_pair_config, prompt
     outputs: dict[str, list[int]] = {}
     batches: list[int] = []
     cruised: list[tuple[int, list[int], BudgetStep]] = []  # (step, keepable depths, record)
+    whole: list[bool] = []  # per cruising step: its trees uncut (they teach the tokens ratio)
     while engine.has_unfinished_requests():
         batch_size = engine.num_running or engine.num_waiting
         outputs.update({out.request_id: list(out.token_ids) for out in engine.step() if out.finished})
         cruise = engine._cruise_step
         if cruise is not None and cruise.width > 0:
             cruised.append((len(batches), list(cruise.keepable), policy.last_step))
+            whole.append(cruise.whole)
         batches.append(batch_size)
     assert outputs == plain_decoding(make_pair_config, prompt_ids, lengths)
     drained = [i for i, _, _ in cruised if i > 0 and batches[i] < batches[i - 1] and batches[i] <= 2]
     assert drained  # a cruising step right after the batch left the bucket it was armed in
     last_tokens = [(depths, record) for _, depths, record in cruised if len(depths) > 1 and min(depths) == 0]
     assert last_tokens
+    assert any(whole) and not any(
+        w for w, (_, depths, _) in zip(whole, cruised, strict=True) if min(depths) == 0
+    )
     for depths, record in last_tokens:
         assert record.drafted and len(record.num_nodes) == len(depths)
         for depth, nodes, accepted in zip(depths, record.num_nodes, record.accepted_per_request, strict=True):

@@ -331,6 +331,18 @@ class DraftGate:
             return 0
         return max(0, self.plain_probe_interval(self._streak_batch) - self.steps_since_probe)
 
+    def record_cruise_tokens(self, batch_size: int, tokens: int) -> None:
+        """The tokens a drafting cruise's step made (its accepted draft tokens and bonuses), its
+        trees whole: they teach the streak's ceiling its tokens ratio against the forecast the
+        streak was decided with, at the batch it was decided at (a drained batch's would be
+        biased). Taught only by the steps that decide or hold, the ratio came from the steps
+        next to decisions and probes; on the fake device's replay of an H100's costs at c = 1,
+        its text repeating every few steps, they were the streak's poorest (a third of the
+        forecast, against four fifths over all its steps) and turned the gate to plain steps
+        where drafting made 2.6x their tokens."""
+        if self._streak_choice > 0 and batch_size == self._streak_batch and self._streak_tokens > 0.0:
+            self.token_residual.observe(batch_size, self._streak_choice, self._streak_tokens, tokens)
+
     def hold_unchecked(self, plain: bool = False) -> None:
         """A step that kept the streak's choice without asking (`steps_held_ahead`,
         `plain_steps_held_ahead`): it counts toward the recheck and the probe as a held step
@@ -437,8 +449,8 @@ class DraftGate:
         one whose trees a request's end cut) still ages the ratios, so a gate that turned to
         plain steps on drafted steps that made little tries drafting again as they fade
         (`STALE_HALF_LIFE_STEPS`); probes alone cannot teach them (they draft a few requests of
-        the batch). Drafting cruises' steps, which the policy does not give here, neither teach
-        nor age them; plain cruises' age them (`hold_unchecked`)."""
+        the batch). Drafting cruises' steps, which the policy does not give here, teach the tokens
+        ratio alone (`record_cruise_tokens`); plain cruises' age them (`hold_unchecked`)."""
         taught_tokens = False
         if self._decided is not None:
             batch_size, ceiling, predicted_ms, predicted_tokens = self._decided

@@ -327,9 +327,12 @@ class AdaptiveBudget:
         """No more cruising steps: the next step plans."""
         self._cruise = None
 
-    def cruised(self, trees: TreeBatch, accepted: Sequence[int]) -> BudgetStep:
+    def cruised(self, trees: TreeBatch, accepted: Sequence[int], whole: bool = False) -> BudgetStep:
         """Ends a cruising step (`cruise_width`): its verified trees and each one's accepted
-        draft token count; its record (forecast worked out when read) is `last_step`."""
+        draft token count; its record (forecast worked out when read) is `last_step`.
+        `whole`: no tree was cut below the cruise's width (by a request's end or a graph's
+        width), so the tokens it made teach the streak's tokens ratio
+        (`DraftGate.record_cruise_tokens`)."""
         cruise = self._cruise
         assert cruise is not None, "cruised without a cruise_width"
         cruise.steps_left -= 1
@@ -338,6 +341,8 @@ class AdaptiveBudget:
             zeros = (0,) * trees.batch_size
             self.last_step = BudgetStep(False, zeros, (0.0,) * trees.batch_size, zeros)
             return self.last_step
+        if whole:
+            self.gate.record_cruise_tokens(trees.batch_size, sum(accepted) + trees.batch_size)
         num_nodes = trees.num_nodes - 1
         logws = trees.logws[:, 1 : 1 + int(num_nodes.max(initial=0))]
         self.last_step = BudgetStep(
