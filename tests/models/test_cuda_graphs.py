@@ -45,15 +45,21 @@ def with_scratch_slot(cache: SlotKVCache) -> SlotKVCache:
     )
 
 
+def pad_to_buckets(runner: TargetRunner) -> None:
+    """Make `runner`'s prefills and verifies pad to buckets and run eagerly (the graphs' path,
+    capture off): a fresh cache with the scratch slot their padded rows write to."""
+    runner.cache = with_scratch_slot(runner.cache)
+    runner.graphs = TargetGraphs(
+        runner.model, runner.cache, runner.target_layer_ids, scratch_slot=runner.num_slots, capture=False
+    )
+
+
 def padded_target(path: Path, num_slots: int, max_seq_len: int) -> TargetRunner:
     """A CPU runner whose verify pads to buckets and runs eagerly (the graph path, capture off)."""
     runner = TargetRunner.from_pretrained(
         path, num_slots=num_slots, max_seq_len=max_seq_len, target_layer_ids=LAYER_IDS
     )
-    runner.cache = with_scratch_slot(runner.cache)
-    runner.graphs = TargetGraphs(
-        runner.model, runner.cache, runner.target_layer_ids, scratch_slot=num_slots, capture=False
-    )
+    pad_to_buckets(runner)
     return runner
 
 
@@ -324,14 +330,7 @@ def test_engine_greedy_output_with_padded_target_graphs_equals_eager(
         engine = build_local_engine(config)
         if padded:
             runner = engine.target.runner
-            runner.cache = with_scratch_slot(runner.cache)
-            runner.graphs = TargetGraphs(
-                runner.model,
-                runner.cache,
-                runner.target_layer_ids,
-                scratch_slot=runner.num_slots,
-                capture=False,
-            )
+            pad_to_buckets(runner)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         outputs.append(run_to_completion(engine))
