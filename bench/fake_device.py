@@ -157,8 +157,10 @@ class FakeDrafter:
         hit: float = 0.85,
         decay: float = 0.93,
         catch_up_ms: float = 0.0,
+        hit_spread: float = 0.0,
     ) -> None:
         self.cost = cost
+        self.hit_spread = hit_spread
         self.catch_up_ms = catch_up_ms
         self.vocab_size = vocab_size
         self.block_size = BLOCK_SIZE
@@ -179,7 +181,10 @@ class FakeDrafter:
         positions = starts + np.arange(1, num_levels + 1)[None, :]  # [B, L]
         true = truth(slots, positions, self.vocab_size)
         u, v = noise(slots, positions, 1), noise(slots, positions, 2)
-        p_hit = self.hit * self.decay ** np.arange(1, num_levels + 1)[None, :]
+        # Each slot's text is its own: some are harder to predict (a hit rate up to `hit_spread`
+        # lower), as prompts are, and a closed batch lasts as long as its hardest.
+        hit = self.hit * (1.0 - self.hit_spread * noise(slots, np.zeros_like(slots), 3))  # [B, 1]
+        p_hit = hit * self.decay ** np.arange(1, num_levels + 1)[None, :]
         rank = np.where(
             u < p_hit,
             0,
@@ -214,7 +219,7 @@ def engines(args: argparse.Namespace, cost_path: str, tokenizer) -> dict[str, Sp
 
     def fakes() -> tuple[FakeTarget, FakeDrafter]:
         cost = load_cost_curve(cost_path)
-        drafter = FakeDrafter(cost, vocab_size, catch_up_ms=args.catch_up_ms)
+        drafter = FakeDrafter(cost, vocab_size, catch_up_ms=args.catch_up_ms, hit_spread=args.hit_spread)
         return FakeTarget(cost, vocab_size, args.max_seq_len), drafter
 
     made: dict[str, SpecEngine] = {}
@@ -257,6 +262,14 @@ def main(argv: list[str] | None = None) -> None:
         help="ms each newcomer's first draft (its prompt through the drafter) holds on top of the "
         "call's price (default: %(default)s; a rough reading of the H200's lockstep sweep at c = 64 "
         "gives ~0.5; bench/arrival_costs.py measures it)",
+    )
+    parser.add_argument(
+        "--hit-spread",
+        type=float,
+        default=0.0,
+        help="how much lower the drafter's hit rate may be on one slot's text than on another's "
+        "(0 to 1; each slot's share is fixed: a closed batch then waits for its hardest text, as "
+        "the bundled pair's sweep waits for one prompt; default: %(default)s)",
     )
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--warmup-runs", type=int, default=1)
