@@ -7,7 +7,8 @@
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
 # graph chain overlap direct sockets local local_chain local_interval local_hops local_profile
 # local_profile_tcp rtt core core_overlap core_interval colocated budget_ab budget_cont arrivals
-# arrivals_ab ttft_ab steps ttft ttft_direct ttft_sockets fake features features_test gate
+# arrivals_ab ttft_ab steps ttft ttft_direct ttft_sockets fake features features_test graphs_test
+# startup gate
 # (default: nvidia budget hops serve).
 #
 #   bash bench/h200_run.sh budget hops
@@ -131,6 +132,9 @@ for stage in "${STAGES[@]}"; do
     fake) run fake 150 python3 bench/fake_device.py --concurrency 1 4 16 64 --repeats 2 ;;
     features) run features 150 python3 bench/feature_delivery.py --batch-sizes 1 16 64 --repeats 30 ;;
     features_test) run features_test 300 python3 -m pytest -q -p no:cacheprovider tests/serve/test_device_features.py ;;
+    graphs_test) run graphs_test 300 python3 -m pytest -q -p no:cacheprovider tests/models/test_cuda_graphs.py \
+      tests/engine/test_graph_warmup.py ;;
+    startup) run startup 240 python3 bench/startup_capture.py --budget 64 --max-num-seqs 64 --concurrency 16 ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done

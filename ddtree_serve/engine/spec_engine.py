@@ -41,6 +41,7 @@ from ddtree_serve.engine.budget import (
     powers_of_two_upto,
 )
 from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
+from ddtree_serve.engine.graph_warmup import warm_up_graphs, warmup_shapes
 from ddtree_serve.engine.interfaces import (
     AsyncDeviceTarget,
     ContextSlice,
@@ -144,6 +145,15 @@ class SpecEngine:
             if self.budget_policy.graph_shapes is None and target.verify_token_buckets is not None:
                 shapes = VerifyGraphShapes(target.verify_token_buckets, target.max_seq_len)
                 self.budget_policy.graph_shapes = shapes
+        elif target.verify_token_buckets is not None:
+            # The adaptive policy's calibration ran at these shapes; a fixed budget captures here.
+            shapes = warmup_shapes(
+                target.verify_token_buckets,
+                settings.max_num_seqs,
+                self.max_tree_tokens,
+                drafts=self.drafter is not None,
+            )
+            warm_up_graphs(target, self.drafter, shapes)
         if overlap and (self.drafter is None or self.budget_policy is not None):
             raise ValueError("overlap needs a drafter and the fixed budget policy")
         self.overlap = overlap

@@ -67,16 +67,22 @@ def padded_drafter(drafter_dir: Path, target_dir: Path, num_slots: int, max_seq_
     drafter = DFlashDrafter.from_pretrained(
         drafter_dir, target_dir, num_slots=num_slots, max_seq_len=max_seq_len
     )
+    pad_drafter_to_buckets(drafter)
+    return drafter
+
+
+def pad_drafter_to_buckets(drafter: DFlashDrafter) -> None:
+    """Make `drafter`'s appends and blocks pad to buckets and run eagerly (the graphs' path,
+    capture off): a fresh cache with the scratch slot their padded rows write to."""
     drafter.cache = with_scratch_slot(drafter.cache)
     drafter.graphs = DrafterGraphs(
         drafter.model,
         drafter.cache,
         drafter.embed_weight,
         drafter.head_weight,
-        scratch_slot=num_slots,
+        scratch_slot=drafter.cache.num_slots,
         capture=False,
     )
-    return drafter
 
 
 def assert_same_committed_cache(eager: TargetRunner, padded: TargetRunner, slots: list[int]) -> None:

@@ -90,10 +90,11 @@ class ModelCostProbe:
 
     Each timed call gets freshly prefilled slots (a short dummy prompt, not timed) and releases
     them afterwards, so the probe leaves every slot empty. Both calls return host tensors, so
-    the wall clock covers the device work (and, over Ray, the transport).
+    the wall clock covers the device work (and, over Ray, the transport). Without a `drafter`
+    (an engine in mode "ar") only the verify is probed.
     """
 
-    def __init__(self, target: Target, drafter: Drafter, top_k: int, prompt_tokens: int = 8) -> None:
+    def __init__(self, target: Target, drafter: Drafter | None, top_k: int, prompt_tokens: int = 8) -> None:
         self.target = target
         self.drafter = drafter
         self.top_k = top_k
@@ -127,6 +128,8 @@ class ModelCostProbe:
 
     def _timed_draft(self, slots: list[int]) -> tuple[DraftOutput, float]:
         """One drafter call over freshly prefilled `slots` (released after), and its milliseconds."""
+        if self.drafter is None:
+            raise ValueError("a probe without a drafter times no draft")
         prefill = self._prefill(slots)
         contexts = [(ContextSlice(prefill.context, i),) for i in range(len(slots))]
         inputs = DraftInput(slots, prefill.first_tokens, contexts, self.top_k)
@@ -146,7 +149,8 @@ class ModelCostProbe:
         one context slice, and the served engine's start-up calibration failed)."""
         for slot in slots:
             self.target.release(slot)
-            self.drafter.release(slot)
+            if self.drafter is not None:
+                self.drafter.release(slot)
 
 
 def _greedy(batch_size: int) -> SamplingBatch:

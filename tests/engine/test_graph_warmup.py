@@ -1,0 +1,76 @@
+"""The start-up capture of a graphed engine's verify and draft graphs (`engine.graph_warmup`).
+
+On the CPU the graphs' padded path runs eagerly (capture off) and records each bucket it meets,
+so the warm-up's shapes are read from the buckets: every verify shape a fixed budget's steps can
+meet and a draft per batch bucket, on slots left empty, before the first request.
+"""
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.builder import build_draft_step, build_target_step
+from ddtree_serve.engine.graph_warmup import warmup_shapes
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+from ddtree_serve.models import load_tokenizer
+from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS, TOKEN_BUCKETS
+from tests.engine.conftest import run_to_completion
+from tests.models.test_cuda_graphs import pad_drafter_to_buckets, pad_to_buckets
+
+
+def test_the_shapes_are_every_bucket_below_the_full_batch_and_the_full_tree_and_those():
+    shapes = warmup_shapes(TOKEN_BUCKETS, max_num_seqs=5, max_tree_tokens=9, drafts=True)
+    assert shapes.batch_sizes == (1, 2, 4, 5)  # 5 requests pad to 8: no more slots to fill it
+    assert shapes.tree_nodes == (1, 2, 4, 8, 9)  # a budget-8 tree and its root
+    assert shapes.draft_batch_sizes == (1, 2, 4, 5)
+    assert shapes.num_calls == 4 * 5 + 4
+    assert warmup_shapes(TOKEN_BUCKETS, 1, 10, drafts=True).tree_nodes == (1, 2, 4, 8, 9, 10)  # pads to 16
+    plain = warmup_shapes(TOKEN_BUCKETS, max_num_seqs=1000, max_tree_tokens=1, drafts=False)
+    assert plain.batch_sizes == BATCH_BUCKETS and plain.tree_nodes == (1,) and plain.draft_batch_sizes == ()
+
+
+@pytest.mark.parametrize(("mode", "budget"), [("ar", 1), ("ddtree", 8)])
+def test_a_graphed_engine_meets_every_step_shape_at_start_up_and_leaves_its_slots_empty(
+    tiny_target_dir: Path, tiny_drafter_dir: Path, mode: str, budget: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Built over a target and drafter on the graphs' path, a fixed-budget engine runs each verify
+    bucket of its batch sizes (1-3 requests pad to 1, 2, 4) and tree widths, and a draft per batch
+    bucket, before any request; every slot is empty after, and its greedy output is the eager
+    engine's."""
+    config = EngineConfig(
+        target=str(tiny_target_dir),
+        drafter=str(tiny_drafter_dir),
+        mode=mode,
+        budget=budget,
+        max_num_seqs=3,
+        max_seq_len=256,
+    )
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 9, 2)]
+    outputs = []
+    for graphed in (False, True):
+        target = build_target_step(config, None)
+        drafter = build_draft_step(config, None) if mode != "ar" else None
+        if graphed:
+            pad_to_buckets(target.runner)
+            if drafter is not None:
+                pad_drafter_to_buckets(drafter.drafter)
+        with caplog.at_level(logging.INFO, logger="ddtree_serve.engine.graph_warmup"):
+            engine = SpecEngine(config.to_settings(), target, drafter, load_tokenizer(tiny_target_dir))
+        if graphed:
+            widths = (1,) if mode == "ar" else (1, 2, 4, 8, 9)
+            verify_keys = {(b, n, 256) for b in (1, 2, 4) for n in widths}
+            assert verify_keys <= set(target.runner.graphs.forward._buckets)
+            if drafter is not None:
+                assert {(b, 256) for b in (1, 2, 4)} <= set(drafter.drafter.graphs.block._buckets)
+            assert all(target.runner.seq_len(slot) == 0 for slot in range(3))
+            assert "captured CUDA graphs for" in caplog.text
+        else:
+            assert "capturing CUDA graphs" not in caplog.text  # an eager target warms nothing up
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        outputs.append(run_to_completion(engine))
+    assert outputs[0] == outputs[1]
