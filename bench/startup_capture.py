@@ -3,7 +3,8 @@
 Builds an in-process engine (fixed budget) on a CUDA device, which captures its verify graphs
 and the drafter's block graphs before the first request (`engine.graph_warmup`), then runs
 `--concurrency` requests twice. Prints the start-up seconds, the graphs held after start-up,
-and, per run, the graphs captured during it and its tokens/s: graphs captured during the first
+and the memory the CUDA caching allocator holds, and, per run, the graphs captured during it
+and its tokens/s: graphs captured during the first
 run are the shapes the warm-up leaves to first meetings (longer contexts, the drafter's appends).
 
     python bench/startup_capture.py --budget 64 --max-num-seqs 64 --concurrency 16
@@ -13,6 +14,7 @@ import argparse
 import logging
 import time
 
+import torch
 from budget_sweep import _num_graphs
 
 from ddtree_serve.config import EngineConfig
@@ -37,7 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     engine = build_local_engine(config)
     held = _num_graphs(engine.target, engine.drafter)
-    print(f"start-up: {time.perf_counter() - started:.1f} s, {held} graphs held")
+    reserved_gib = torch.cuda.memory_reserved() / 2**30
+    seconds = time.perf_counter() - started
+    print(f"start-up: {seconds:.1f} s, {held} graphs held, {reserved_gib:.2f} GiB reserved")
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for run in (1, 2):
         before = _num_graphs(engine.target, engine.drafter)
@@ -48,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
             tokens += sum(out.num_new_tokens for out in engine.step())
         elapsed = time.perf_counter() - started
         captured = _num_graphs(engine.target, engine.drafter) - before
-        print(f"run {run}: {tokens / elapsed:.0f} tok/s, {captured} graphs captured during it")
+        reserved_gib = torch.cuda.memory_reserved() / 2**30
+        rate = tokens / elapsed
+        print(f"run {run}: {rate:.0f} tok/s, {captured} graphs captured during it, {reserved_gib:.2f} GiB")
 
 
 if __name__ == "__main__":
