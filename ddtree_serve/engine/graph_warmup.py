@@ -10,7 +10,8 @@ per (batch bucket, tree-token bucket) its steps can meet and one draft per batch
 start-up, as vLLM captures its decode graphs, on scratch slots it leaves empty
 (`ModelCostProbe`). Contexts past the first cache-row bucket, and the drafter's appends of
 other lengths, still capture when first met. The adaptive policy's start-up calibration runs
-over the same shapes, so it needs no warm-up of its own.
+over the same shapes, so a policy calibrated at start-up needs no warm-up; one read from a cost
+file, or kept over a restarted target (whose graphs died with it), does.
 """
 
 import logging
@@ -22,6 +23,10 @@ from ddtree_serve.engine.interfaces import Drafter, Target
 from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS
 
 logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT_TOKENS = 8
+"""Tokens of the scratch prompt each warm-up call prefills (`ModelCostProbe`'s): its verifies
+read the first cache-row bucket."""
 
 PROGRESS_EVERY_S = 5.0
 """Seconds between progress lines of a long warm-up (a large target's many shapes)."""
@@ -57,7 +62,7 @@ def warmup_shapes(
 def warm_up_graphs(target: Target, drafter: Drafter | None, shapes: WarmupShapes) -> float:
     """Runs every call of `shapes` once on scratch slots (each slot released after) and returns
     the seconds it took; logs what it captures, with progress lines on long warm-ups."""
-    probe = ModelCostProbe(target, drafter, top_k=1)
+    probe = ModelCostProbe(target, drafter, top_k=1, prompt_tokens=WARMUP_PROMPT_TOKENS)
     calls = [("verify", b, n) for b in shapes.batch_sizes for n in shapes.tree_nodes]
     calls += [("draft", b, 0) for b in shapes.draft_batch_sizes]
     logger.info(

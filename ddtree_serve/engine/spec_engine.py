@@ -41,7 +41,7 @@ from ddtree_serve.engine.budget import (
     powers_of_two_upto,
 )
 from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
-from ddtree_serve.engine.graph_warmup import warm_up_graphs, warmup_shapes
+from ddtree_serve.engine.graph_warmup import WARMUP_PROMPT_TOKENS, warm_up_graphs, warmup_shapes
 from ddtree_serve.engine.interfaces import (
     AsyncDeviceTarget,
     ContextSlice,
@@ -139,21 +139,19 @@ class SpecEngine:
         # with the step's other outputs.
         self.on_first_tokens: Callable[[list[RequestOutput]], None] | None = None
         self.budget_policy = None
+        # An adaptive policy calibrated here has run every verify and draft shape (its graphs
+        # captured); a fixed budget, a cost file's policy or one kept over a restarted target
+        # (whose graphs died with it) captures them now.
+        calibrated = False
         if settings.budget_policy == "adaptive":
+            calibrated = budget_policy is None and settings.cost_curve is None
             self.budget_policy = budget_policy or self._adaptive_budget()
             self.budget_policy.end_cruise()  # a kept policy's cruise was another engine's streak
             if self.budget_policy.graph_shapes is None and target.verify_token_buckets is not None:
                 shapes = VerifyGraphShapes(target.verify_token_buckets, target.max_seq_len)
                 self.budget_policy.graph_shapes = shapes
-        elif target.verify_token_buckets is not None:
-            # The adaptive policy's calibration ran at these shapes; a fixed budget captures here.
-            shapes = warmup_shapes(
-                target.verify_token_buckets,
-                settings.max_num_seqs,
-                self.max_tree_tokens,
-                drafts=self.drafter is not None,
-            )
-            warm_up_graphs(target, self.drafter, shapes)
+        if target.verify_token_buckets is not None and not calibrated:
+            self._warm_up_graphs(target.verify_token_buckets)
         if overlap and (self.drafter is None or self.budget_policy is not None):
             raise ValueError("overlap needs a drafter and the fixed budget policy")
         self.overlap = overlap
@@ -170,6 +168,18 @@ class SpecEngine:
         # The adaptive step's requests, their keepable depths and caps (`_adaptive_inputs_of`).
         self._adaptive_inputs: tuple[list[Request], list[int], list[int]] | None = None
         self._cruise_step: _CruiseStep | None = None  # this step's, when the policy cruises
+
+    def _warm_up_graphs(self, token_buckets: tuple[int, ...]) -> None:
+        """Capture the graphs every step shape meets (`graph_warmup`); an adaptive policy learns
+        that they exist (`VerifyGraphShapes`), as its calibration's would."""
+        shapes = warmup_shapes(
+            token_buckets, self.settings.max_num_seqs, self.max_tree_tokens, drafts=self.drafter is not None
+        )
+        warm_up_graphs(self.target, self.drafter, shapes)
+        if self.graph_shapes is not None:
+            for batch_size in shapes.batch_sizes:
+                for num_nodes in shapes.tree_nodes:
+                    self.graph_shapes.record(batch_size, num_nodes, WARMUP_PROMPT_TOKENS)
 
     @property
     def graph_shapes(self) -> VerifyGraphShapes | None:

@@ -5,12 +5,14 @@ so the warm-up's shapes are read from the buckets: every verify shape a fixed bu
 meet and a draft per batch bucket, on slots left empty, before the first request.
 """
 
+import json
 import logging
 from pathlib import Path
 
 import pytest
 
 from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.budget import CostCurve
 from ddtree_serve.engine.builder import build_draft_step, build_target_step
 from ddtree_serve.engine.graph_warmup import warmup_shapes
 from ddtree_serve.engine.sampling_params import SamplingParams
@@ -74,3 +76,32 @@ def test_a_graphed_engine_meets_every_step_shape_at_start_up_and_leaves_its_slot
             engine.add_request(str(i), prompt, params)
         outputs.append(run_to_completion(engine))
     assert outputs[0] == outputs[1]
+
+
+def test_an_adaptive_engine_from_a_cost_file_captures_the_shapes_and_knows_them(
+    tiny_target_dir: Path, tiny_drafter_dir: Path, tmp_path: Path
+) -> None:
+    """A policy read from a cost file has not run the calibration's shapes: the engine captures
+    them at start-up and records them, so its steps may verify in any of them at once."""
+    curve = CostCurve([1, 4], [1.0, 4096.0], [[1.0, 5.0], [1.5, 6.0]], draft_ms=[1.0, 1.2])
+    cost_file = tmp_path / "cost.json"
+    cost_file.write_text(json.dumps(curve.to_json()))
+    config = EngineConfig(
+        target=str(tiny_target_dir),
+        drafter=str(tiny_drafter_dir),
+        mode="ddtree",
+        budget=8,
+        max_num_seqs=3,
+        max_seq_len=256,
+        budget_policy="adaptive",
+        cost_curve=str(cost_file),
+    )
+    target, drafter = build_target_step(config, None), build_draft_step(config, None)
+    pad_to_buckets(target.runner)
+    pad_drafter_to_buckets(drafter.drafter)
+    engine = SpecEngine(config.to_settings(), target, drafter, load_tokenizer(tiny_target_dir))
+    assert {(b, n, 256) for b in (1, 2, 4) for n in (1, 2, 4, 8, 9)} <= set(
+        target.runner.graphs.forward._buckets
+    )
+    for batch_size in (1, 2, 3):
+        assert engine.graph_shapes.captured_buckets(batch_size, max_start=20) == (1, 2, 4, 8, 9)
