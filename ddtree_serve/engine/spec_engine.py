@@ -173,13 +173,16 @@ class SpecEngine:
         """Capture the graphs every step shape meets (`graph_warmup`); an adaptive policy learns
         that they exist (`VerifyGraphShapes`), as its calibration's would."""
         shapes = warmup_shapes(
-            token_buckets, self.settings.max_num_seqs, self.max_tree_tokens, drafts=self.drafter is not None
+            token_buckets,
+            self.settings.max_num_seqs,
+            self.max_tree_tokens,
+            drafts=self.drafter is not None,
+            vocab_size=self.vocab_size,
         )
         warm_up_graphs(self.target, self.drafter, shapes)
         if self.graph_shapes is not None:
-            for batch_size in shapes.batch_sizes:
-                for num_nodes in shapes.tree_nodes:
-                    self.graph_shapes.record(batch_size, num_nodes, WARMUP_PROMPT_TOKENS)
+            for batch_size, num_nodes in shapes.verifies:
+                self.graph_shapes.record(batch_size, num_nodes, WARMUP_PROMPT_TOKENS)
 
     @property
     def graph_shapes(self) -> VerifyGraphShapes | None:

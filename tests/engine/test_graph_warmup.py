@@ -24,14 +24,31 @@ from tests.models.test_cuda_graphs import pad_drafter_to_buckets, pad_to_buckets
 
 
 def test_the_shapes_are_every_bucket_below_the_full_batch_and_the_full_tree_and_those():
-    shapes = warmup_shapes(TOKEN_BUCKETS, max_num_seqs=5, max_tree_tokens=9, drafts=True)
-    assert shapes.batch_sizes == (1, 2, 4, 5)  # 5 requests pad to 8: no more slots to fill it
-    assert shapes.tree_nodes == (1, 2, 4, 8, 9)  # a budget-8 tree and its root
-    assert shapes.draft_batch_sizes == (1, 2, 4, 5)
+    shapes = warmup_shapes(TOKEN_BUCKETS, max_num_seqs=5, max_tree_tokens=9, drafts=True, vocab_size=8192)
+    # 5 requests pad to 8 (no more slots to fill it); a budget-8 tree and its root
+    assert set(shapes.verifies) == {(b, n) for b in (1, 2, 4, 5) for n in (1, 2, 4, 8, 9)}
+    sizes = [b * n for b, n in shapes.verifies]
+    assert sizes == sorted(sizes)  # smallest first
+    assert shapes.draft_batch_sizes == (1, 2, 4, 5) and shapes.left_out == 0
     assert shapes.num_calls == 4 * 5 + 4
-    assert warmup_shapes(TOKEN_BUCKETS, 1, 10, drafts=True).tree_nodes == (1, 2, 4, 8, 9, 10)  # pads to 16
-    plain = warmup_shapes(TOKEN_BUCKETS, max_num_seqs=1000, max_tree_tokens=1, drafts=False)
-    assert plain.batch_sizes == BATCH_BUCKETS and plain.tree_nodes == (1,) and plain.draft_batch_sizes == ()
+    one = warmup_shapes(TOKEN_BUCKETS, 1, 10, drafts=True, vocab_size=8192)
+    assert [n for _, n in one.verifies] == [1, 2, 4, 8, 9, 10]  # 10 pads to 16
+    plain = warmup_shapes(TOKEN_BUCKETS, max_num_seqs=1000, max_tree_tokens=1, drafts=False, vocab_size=8192)
+    assert [b for b, _ in plain.verifies] == list(BATCH_BUCKETS) and plain.draft_batch_sizes == ()
+
+
+def test_the_largest_verify_shapes_are_left_out_past_the_logits_cap():
+    """Each graph keeps its padded [batch, nodes, vocab] logits: the warm-up takes the smallest
+    shapes while their logits stay within the cap and leaves the rest to their first meeting."""
+    vocab = 150_000
+    whole = warmup_shapes(TOKEN_BUCKETS, 64, 65, drafts=True, vocab_size=vocab, max_logits_gib=1e9)
+    capped = warmup_shapes(TOKEN_BUCKETS, 64, 65, drafts=True, vocab_size=vocab, max_logits_gib=8.0)
+    assert len(whole.verifies) == 9 * 12 and whole.left_out == 0
+    held = sum(b * n for b, n in capped.verifies) * vocab * 2 / 2**30  # 64 and 65 are buckets
+    assert held <= 8.0 < held + capped.left_out_gib
+    assert capped.verifies == whole.verifies[: len(capped.verifies)]
+    assert capped.left_out == len(whole.verifies) - len(capped.verifies) > 0
+    assert (64, 65) not in capped.verifies and capped.draft_batch_sizes == whole.draft_batch_sizes
 
 
 @pytest.mark.parametrize(("mode", "budget"), [("ar", 1), ("ddtree", 8)])
