@@ -98,9 +98,9 @@ def warmup_shapes(
     )
 
 
-def warm_up_graphs(target: Target, drafter: Drafter | None, shapes: WarmupShapes) -> float:
-    """Runs every call of `shapes` once on scratch slots (each slot released after) and returns
-    the seconds it took; logs what it captures, with progress lines on long warm-ups."""
+def warm_up_graphs(target: Target, drafter: Drafter | None, shapes: WarmupShapes) -> None:
+    """Runs every call of `shapes` once on scratch slots (each slot released after); logs what it
+    captures and in how long, with progress lines on long warm-ups."""
     probe = ModelCostProbe(target, drafter, top_k=1, prompt_tokens=WARMUP_PROMPT_TOKENS)
     calls = [("verify", b, n) for b, n in shapes.verifies]
     calls += [("draft", b, 0) for b in shapes.draft_batch_sizes]
@@ -127,6 +127,4 @@ def warm_up_graphs(target: Target, drafter: Drafter | None, shapes: WarmupShapes
         if now - last_report >= PROGRESS_EVERY_S and done < len(calls):
             logger.info("capturing CUDA graphs: %d/%d shapes, %.1f s", done, len(calls), now - started)
             last_report = now
-    seconds = time.perf_counter() - started
-    logger.info("captured CUDA graphs for %d shapes in %.1f s", len(calls), seconds)
-    return seconds
+    logger.info("captured CUDA graphs for %d shapes in %.1f s", len(calls), time.perf_counter() - started)

@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import CostCurve
 from ddtree_serve.engine.builder import build_draft_step, build_target_step
 from ddtree_serve.engine.graph_warmup import warmup_shapes
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
-from ddtree_serve.models import load_tokenizer
 from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS, TOKEN_BUCKETS
 from tests.engine.conftest import run_to_completion
 from tests.models.test_cuda_graphs import pad_drafter_to_buckets, pad_to_buckets
@@ -53,20 +51,13 @@ def test_the_largest_verify_shapes_are_left_out_past_the_logits_cap():
 
 @pytest.mark.parametrize(("mode", "budget"), [("ar", 1), ("ddtree", 8)])
 def test_a_graphed_engine_meets_every_step_shape_at_start_up_and_leaves_its_slots_empty(
-    tiny_target_dir: Path, tiny_drafter_dir: Path, mode: str, budget: int, caplog: pytest.LogCaptureFixture
+    make_pair_config, pair_tokenizer, mode: str, budget: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Built over a target and drafter on the graphs' path, a fixed-budget engine runs each verify
     bucket of its batch sizes (1-3 requests pad to 1, 2, 4) and tree widths, and a draft per batch
     bucket, before any request; every slot is empty after, and its greedy output is the eager
     engine's."""
-    config = EngineConfig(
-        target=str(tiny_target_dir),
-        drafter=str(tiny_drafter_dir),
-        mode=mode,
-        budget=budget,
-        max_num_seqs=3,
-        max_seq_len=256,
-    )
+    config = make_pair_config(mode=mode, budget=budget, max_num_seqs=3, max_seq_len=256)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 9, 2)]
     outputs = []
@@ -78,7 +69,7 @@ def test_a_graphed_engine_meets_every_step_shape_at_start_up_and_leaves_its_slot
             if drafter is not None:
                 pad_drafter_to_buckets(drafter.drafter)
         with caplog.at_level(logging.INFO, logger="ddtree_serve.engine.graph_warmup"):
-            engine = SpecEngine(config.to_settings(), target, drafter, load_tokenizer(tiny_target_dir))
+            engine = SpecEngine(config.to_settings(), target, drafter, pair_tokenizer)
         if graphed:
             widths = (1,) if mode == "ar" else (1, 2, 4, 8, 9)
             verify_keys = {(b, n, 256) for b in (1, 2, 4) for n in widths}
@@ -96,16 +87,14 @@ def test_a_graphed_engine_meets_every_step_shape_at_start_up_and_leaves_its_slot
 
 
 def test_an_adaptive_engine_from_a_cost_file_captures_the_shapes_and_knows_them(
-    tiny_target_dir: Path, tiny_drafter_dir: Path, tmp_path: Path
+    make_pair_config, pair_tokenizer, tmp_path: Path
 ) -> None:
     """A policy read from a cost file has not run the calibration's shapes: the engine captures
     them at start-up and records them, so its steps may verify in any of them at once."""
     curve = CostCurve([1, 4], [1.0, 4096.0], [[1.0, 5.0], [1.5, 6.0]], draft_ms=[1.0, 1.2])
     cost_file = tmp_path / "cost.json"
     cost_file.write_text(json.dumps(curve.to_json()))
-    config = EngineConfig(
-        target=str(tiny_target_dir),
-        drafter=str(tiny_drafter_dir),
+    config = make_pair_config(
         mode="ddtree",
         budget=8,
         max_num_seqs=3,
@@ -116,7 +105,7 @@ def test_an_adaptive_engine_from_a_cost_file_captures_the_shapes_and_knows_them(
     target, drafter = build_target_step(config, None), build_draft_step(config, None)
     pad_to_buckets(target.runner)
     pad_drafter_to_buckets(drafter.drafter)
-    engine = SpecEngine(config.to_settings(), target, drafter, load_tokenizer(tiny_target_dir))
+    engine = SpecEngine(config.to_settings(), target, drafter, pair_tokenizer)
     assert {(b, n, 256) for b in (1, 2, 4) for n in (1, 2, 4, 8, 9)} <= set(
         target.runner.graphs.forward._buckets
     )
