@@ -135,9 +135,9 @@ def hook() -> None:
         choices.append(f"{ceiling}{mark}{priced_now.get('decision', '')}")
         return ceiling
 
-    def cruised_step(self: AdaptiveBudget, trees, accepted):
+    def cruised_step(self: AdaptiveBudget, trees, accepted, *args, **kwargs):
         choices.append(f"{self._cruise.width if self._cruise else '?'}c")
-        return cruised(self, trees, accepted)
+        return cruised(self, trees, accepted, *args, **kwargs)
 
     def timed_run(engine, prompts, concurrency, max_tokens, tag, log, requests_per_slot=1) -> float:
         choices.clear()
