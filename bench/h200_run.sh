@@ -53,7 +53,9 @@ for stage in "${STAGES[@]}"; do
           --max-tokens 64 --out-dir "/tmp/budget_head$round" ${AB_ARGS:-}
       done
       tar -cf "$OUT/budget_ab_json.tar" -C /tmp $(for round in $rounds; do
-        echo "budget_base$round/budget_sweep.json budget_head$round/budget_sweep.json"; done) ;;
+        echo "budget_base$round/budget_sweep.json budget_head$round/budget_sweep.json"; done)
+      python3 bench/ab_summary.py --base /tmp/budget_base*/budget_sweep.json \
+        --head /tmp/budget_head*/budget_sweep.json | tee "$OUT/ab_summary.md" ;;
     arrivals_ab|ttft_ab)  # base (bench/ab_base.sh, carried) then head, on one machine: what an
       # arrival costs (arrival_costs.py), or a served first token's parts (ttft_breakdown.py)
       ln -sfn "$PWD/ddtree_serve/bundled" bench/out/base_src/ddtree_serve/bundled
