@@ -211,8 +211,8 @@ class FakeDrafter:
         # past the top-K: absent).
         missed = (u - p_hit) / (1 - p_hit)  # [B, L], uniform in [0, 1) where u >= p_hit
         rank = 1 + np.searchsorted(self.miss_edges, missed, side="right")
-        rank = np.where(rank > len(self.miss_edges), -1, rank)
-        rank = np.where(u < p_hit, 0, np.where(rank < num_ranks, rank, -1))
+        absent = (rank > len(self.miss_edges)) | (rank >= num_ranks)
+        rank = np.where(u < p_hit, 0, np.where(absent, -1, rank))
         # The stated rank-0 probability, above a third, so rank r > 0's (1 - top) / 2**r is below it.
         top = np.where(rank == 0, 0.45 + 0.5 * v, 0.34 + 0.3 * v)
         ranks = np.arange(num_ranks)[None, None, :]

@@ -15,7 +15,7 @@ chose 32). Near the end of the cache, where a ceiling's bucket would read past i
 keeps to the captured graphs that fit.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ddtree_serve.models.cuda_graphs import BATCH_BUCKETS, pick_bucket, row_bucket, verify_bucket
 
@@ -42,6 +42,12 @@ class VerifyGraphShapes:
         buckets = self._buckets_of_batch.get(padded_batch, ())
         if padded_nodes not in buckets:
             self._buckets_of_batch[padded_batch] = tuple(sorted((*buckets, padded_nodes)))
+
+    def record_all(self, shapes: Iterable[tuple[int, int]], max_start: int) -> None:
+        """Verifies of each `(batch_size, num_nodes)` of `shapes` ran at `max_start` (a start-up
+        calibration's or warm-up's, on scratch prompts of that length)."""
+        for batch_size, num_nodes in shapes:
+            self.record(batch_size, num_nodes, max_start)
 
     def captured_buckets(self, batch_size: int, max_start: int, below: int | None = None) -> tuple[int, ...]:
         """Tree-token buckets whose graph exists for this batch and context, ascending (`below`:

@@ -22,6 +22,7 @@ until the drafter is available again, then the target re-encodes every running r
 cached text into a whole new context for it (`_restore_drafter`), and speculation resumes.
 """
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -181,8 +182,7 @@ class SpecEngine:
         )
         warm_up_graphs(self.target, self.drafter, shapes)
         if self.graph_shapes is not None:
-            for batch_size, num_nodes in shapes.verifies:
-                self.graph_shapes.record(batch_size, num_nodes, WARMUP_PROMPT_TOKENS)
+            self.graph_shapes.record_all(shapes.verifies, WARMUP_PROMPT_TOKENS)
 
     @property
     def graph_shapes(self) -> VerifyGraphShapes | None:
@@ -209,9 +209,7 @@ class SpecEngine:
             tree_tokens = buckets_upto(buckets, self.max_tree_tokens)
         cost = measure_cost_curve(probe, batch_sizes, tree_tokens)
         if shapes is not None:  # the calibration's verifies captured these graphs
-            for batch_size in batch_sizes:
-                for num_nodes in tree_tokens:
-                    shapes.record(batch_size, num_nodes, len(probe.prompt))
+            shapes.record_all(itertools.product(batch_sizes, tree_tokens), len(probe.prompt))
         return AdaptiveBudget(cost, build, token_buckets=buckets, graph_shapes=shapes)
 
     # ----------------------------------------------------------------------------- requests
