@@ -27,7 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget_sweep import StepLog, live_pair, tokens_per_s  # the sweep's pair, prompts and runs
+from budget_sweep import (
+    StepLog,
+    add_pair_arguments,
+    live_pair,
+    tokens_per_s,
+)  # the sweep's pair, prompts and runs
 
 from ddtree_serve.engine.spec_engine import SpecEngine
 
@@ -148,15 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default=None, help="target model dir (default: bundled)")
-    parser.add_argument("--drafter", default=None, help="DFlash drafter dir (default: bundled)")
-    parser.add_argument("--device", default="cpu", help="(default: %(default)s)")
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="(default: %(default)s)",
-    )
+    add_pair_arguments(parser)
     parser.add_argument(
         "--concurrency", type=int, nargs="+", default=[4, 16, 64], help="(default: %(default)s)"
     )
@@ -175,7 +172,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--runs", type=int, default=2, help="timed runs per configuration (default: %(default)s)"
     )
-    parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "out")
     args = parser.parse_args(argv)
     if args.requests_per_slot < 2:

@@ -225,6 +225,20 @@ def _log_choices(policy: AdaptiveBudget, log: dict[str, StepLog]) -> None:
     policy.observe = logged_observe  # type: ignore[method-assign]
 
 
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `live_pair` reads: the model pair, where it runs, and the slots' length."""
+    parser.add_argument("--target", default=None, help="target model dir (default: bundled)")
+    parser.add_argument("--drafter", default=None, help="DFlash drafter dir (default: bundled)")
+    parser.add_argument("--device", default="cpu", help="(default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="(default: %(default)s)",
+    )
+    parser.add_argument("--max-seq-len", type=int, default=512, help="(default: %(default)s)")
+
+
 def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
     """The model pair the live runs share (`args.target`, `.drafter`, `.device`, `.dtype`,
     `.max_seq_len`): the base engine config, the target and drafter steps, the tokenizer, and
@@ -610,10 +624,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default=None, help="target model dir (default: bundled)")
-    parser.add_argument("--drafter", default=None, help="DFlash drafter dir (default: bundled)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_pair_arguments(parser)
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="comma-separated")
     parser.add_argument(
         "--budgets", default="8,32,64", help="fixed DDTree budgets; the largest is the ceiling"
@@ -627,7 +638,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "more: a finished request's slot takes the next, as a server held at that concurrency, "
         "the first wave's lengths staggered)",
     )
-    parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument(
         "--warmup-runs",
         type=int,

@@ -113,14 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default=None, help="target checkpoint (default: the bundled one)")
-    parser.add_argument("--drafter", default=None, help="drafter checkpoint (default: the bundled one)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    budget_sweep.add_pair_arguments(parser)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--concurrency", type=int, default=8, help="requests in the closed batch")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     return parser.parse_args(argv)
 
