@@ -34,23 +34,24 @@ for stage in "${STAGES[@]}"; do
   case $stage in
     nvidia) run nvidia 20 nvidia-smi ;;
     budget) run budget 200 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
-      --max-tokens 64 --out-dir /tmp/budget --traces /tmp/budget/budget_traces_cuda.json
+      --max-tokens 64 --repeats 9 --out-dir /tmp/budget --traces /tmp/budget/budget_traces_cuda.json
       cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png /tmp/budget/budget_build_cost_cuda.json "$OUT/"
       xz -c /tmp/budget/budget_traces_cuda.json >"$OUT/budget_traces_cuda.json.xz" ;;
     budget_cont) run budget_cont 300 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
-      --max-tokens 64 --requests-per-slot 4 --out-dir /tmp/budget_cont --traces /tmp/budget_cont/traces.json
+      --max-tokens 64 --requests-per-slot 4 --repeats 5 --out-dir /tmp/budget_cont --traces /tmp/budget_cont/traces.json
       cp /tmp/budget_cont/budget_sweep.json "$OUT/budget_cont.json" ;;
     arrivals) run arrivals 240 python3 bench/arrival_costs.py --device cuda --dtype bfloat16 \
       --concurrency 1 16 64 --out-dir /tmp/arrivals ;;
     budget_ab)  # base (bench/ab_base.sh, carried) and head in turn, AB_ROUNDS rounds (2), one warm machine;
-      # AB_ARGS: more budget_sweep.py arguments for both (e.g. --requests-per-slot 4)
+      # nine paired rounds each (three left closed means 0.90-0.99 apart on one machine); AB_ARGS:
+      # more budget_sweep.py arguments for both, later ones winning (--requests-per-slot 4 --repeats 5)
       ln -sfn "$PWD/ddtree_serve/bundled" bench/out/base_src/ddtree_serve/bundled
       rounds=$(seq 1 "${AB_ROUNDS:-2}")
       for round in $rounds; do
-        PYTHONPATH=bench/out/base_src:/tmp/site run "budget_base$round" 120 python3 bench/budget_sweep.py \
-          --device cuda --dtype bfloat16 --max-tokens 64 --out-dir "/tmp/budget_base$round" ${AB_ARGS:-}
-        run "budget_head$round" 120 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
-          --max-tokens 64 --out-dir "/tmp/budget_head$round" ${AB_ARGS:-}
+        PYTHONPATH=bench/out/base_src:/tmp/site run "budget_base$round" 240 python3 bench/budget_sweep.py \
+          --device cuda --dtype bfloat16 --max-tokens 64 --repeats 9 --out-dir "/tmp/budget_base$round" ${AB_ARGS:-}
+        run "budget_head$round" 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
+          --max-tokens 64 --repeats 9 --out-dir "/tmp/budget_head$round" ${AB_ARGS:-}
       done
       tar -cf "$OUT/budget_ab_json.tar" -C /tmp $(for round in $rounds; do
         echo "budget_base$round/budget_sweep.json budget_head$round/budget_sweep.json"; done)
