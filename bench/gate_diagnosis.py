@@ -153,7 +153,13 @@ def hook() -> None:
     engine_step = SpecEngine.step
 
     def stepped(self: SpecEngine) -> list:
-        if self.budget_policy is not None or self.num_waiting:  # adaptive, or a prefill step
+        # Adaptive, a prefill step, or the untimed run that records traces (its host work is
+        # the recording's): not a fixed budget's own step.
+        if (
+            self.budget_policy is not None
+            or self.num_waiting
+            or isinstance(self.drafter, budget_sweep.RecordingDrafter)
+        ):
             return engine_step(self)
         batch_size, started = self.num_running, time.perf_counter()
         outputs = engine_step(self)
