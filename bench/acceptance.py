@@ -46,6 +46,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def heldout_stream(tokenizer) -> torch.Tensor:
+    """The held-out standard-library files (this interpreter's), tokenized end to end."""
+    eos_id, _ = special_token_ids(tokenizer)
+    _, heldout_docs = load_corpus()
+    return encode_stream(tokenizer, heldout_docs, eos_id)
+
+
 def heldout_prompts(stream: torch.Tensor, num_prompts: int, prompt_tokens: int) -> list[list[int]]:
     """`num_prompts` windows spread evenly over the held-out stream (deterministic)."""
     last_start = stream.numel() - prompt_tokens
@@ -93,15 +100,13 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     tokenizer = load_tokenizer(args.target)
-    eos_id, _ = special_token_ids(tokenizer)
-    _, heldout_docs = load_corpus()
-    stream = encode_stream(tokenizer, heldout_docs, eos_id)
+    stream = heldout_stream(tokenizer)
     prompts = heldout_prompts(stream, args.num_prompts, args.prompt_tokens)
 
     target = load_target_model(args.target, device=args.device)
     loss = heldout_lm_loss(target, stream.to(args.device), LOSS_SEQ_LEN, batch_size=8)
     del target
-    print(f"held-out: {len(heldout_docs)} files, {stream.numel()} tokens; target loss {loss:.4f} nats/token")
+    print(f"held-out: {stream.numel()} tokens; target loss {loss:.4f} nats/token")
 
     common = dict(device=args.device, max_num_seqs=args.max_num_seqs)
     chain = LLM(str(args.target), str(args.drafter), mode="chain", **common)

@@ -22,6 +22,13 @@ an H100 at c = 8-16 (4.69 ms against 3.90 unrecorded at c = 8).
     python bench/budget_sweep.py --max-tokens 32                    # CPU, bundled pair
     python bench/budget_sweep.py --device cuda --dtype bfloat16 --max-tokens 256
 
+The prompts are eight openings in the bundled pair's training style, the same in every run
+(`--prompt-set bundled`): at c = 1 a level then measures one text, and "the best fixed budget"
+is the best for that text (on an H100 prompt 0 takes 14 steps at 64 nodes and 16 at 32, where
+the drafter's calibrated forecast says 64 gains a third of that). `--prompt-set heldout` takes
+windows of the held-out standard library instead, each round the next `concurrency` of them
+(every configuration the same ones in a round), so a level's rounds cover many texts.
+
 A run is one closed batch by default: `concurrency` requests start together and the run ends
 with the last. Its rate then rests on its slowest request (on the H200 at c = 8 and 16 fixed-32
 and fixed-64 take the same 20 steps a run, where at c = 1-4 64 makes 13-14% more tokens a step).
@@ -50,6 +57,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from acceptance import heldout_prompts, heldout_stream  # the held-out text's windows
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, load_cost_curve
@@ -61,6 +69,7 @@ from ddtree_serve.models import load_tokenizer
 from ddtree_serve.tree import DraftTree, TreeBatch, build_ddtree
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
+HELDOUT_PROMPTS, HELDOUT_PROMPT_TOKENS = 64, 48  # `--prompt-set heldout`
 # Openings in the style of the standard library the bundled pair was trained on.
 PROMPTS = [
     "def _check_arg_types(funcname, *args):\n    hasstr = hasbytes = False\n    for s in args:\n",
@@ -240,6 +249,15 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
         help="(default: %(default)s)",
     )
     parser.add_argument("--max-seq-len", type=int, default=512, help="(default: %(default)s)")
+    parser.add_argument(
+        "--prompt-set",
+        choices=["bundled", "heldout"],
+        default="bundled",
+        help="bundled: eight stdlib-style openings, the same each run (earlier results' set); "
+        f"heldout: {HELDOUT_PROMPTS} windows of {HELDOUT_PROMPT_TOKENS} tokens of the held-out "
+        "standard library (this interpreter's), each sweep round taking the next ones "
+        "(default: %(default)s)",
+    )
 
 
 def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
@@ -258,7 +276,22 @@ def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
     )
     target, drafter = build_target_step(base), build_draft_step(base)
     tokenizer = load_tokenizer(target_dir(base))
-    return base, target, drafter, tokenizer, [tokenizer.encode(p).ids for p in PROMPTS]
+    if getattr(args, "prompt_set", "bundled") == "heldout":
+        prompts = heldout_prompts(heldout_stream(tokenizer), HELDOUT_PROMPTS, HELDOUT_PROMPT_TOKENS)
+    else:
+        prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    return base, target, drafter, tokenizer, prompts
+
+
+def round_prompts(prompts: list, run: int, concurrency: int, rotate: bool) -> list:
+    """The prompts round `run` gives every configuration alike (so a round's ratios stay
+    paired): with `rotate`, the ones after the last round's, so a level's rounds cover
+    `concurrency` x rounds texts instead of the same `concurrency` (at c = 1 one text, whose
+    own best budget then is "the best fixed budget")."""
+    if not rotate:
+        return prompts
+    offset = (run * concurrency) % len(prompts)
+    return prompts[offset:] + prompts[:offset]
 
 
 def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], list[dict]]:
@@ -302,7 +335,8 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
                 logs[name] = StepLog()
                 graphs = _num_graphs(target, drafter)
                 tag, per_slot = str(run), args.requests_per_slot
-                rate = tokens_per_s(engine, prompts, concurrency, args.max_tokens, tag, logs[name], per_slot)
+                texts = round_prompts(prompts, run, concurrency, args.prompt_set == "heldout")
+                rate = tokens_per_s(engine, texts, concurrency, args.max_tokens, tag, logs[name], per_slot)
                 logs[name].graphs_captured = _num_graphs(target, drafter) - graphs
                 if run >= args.warmup_runs:
                     samples[name].append(rate)
