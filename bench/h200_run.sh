@@ -6,7 +6,8 @@
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
 # graph chain overlap direct sockets local local_chain local_interval local_hops local_profile
-# local_profile_tcp rtt core core_overlap core_interval colocated budget_ab budget_cont arrivals
+# local_profile_tcp rtt core core_overlap core_interval colocated budget_ab budget_cont
+# budget_heldout budget_cont_heldout arrivals
 # arrivals_ab ttft_ab steps ttft ttft_direct ttft_sockets fake features features_test graphs_test
 # startup gate
 # (default: nvidia budget hops serve).
@@ -40,6 +41,11 @@ for stage in "${STAGES[@]}"; do
     budget_cont) run budget_cont 300 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 64 --requests-per-slot 4 --repeats 5 --out-dir /tmp/budget_cont --traces /tmp/budget_cont/traces.json
       cp /tmp/budget_cont/budget_sweep.json "$OUT/budget_cont.json" ;;
+    budget_heldout|budget_cont_heldout)  # the same on held-out text, other windows each round
+      cont=$([ "$stage" = budget_cont_heldout ] && echo "--requests-per-slot 4 --repeats 5" || echo "--repeats 9")
+      run "$stage" 300 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 --max-tokens 64 \
+        --prompt-set heldout $cont --out-dir "/tmp/$stage" --traces "/tmp/$stage/traces.json"
+      cp "/tmp/$stage/budget_sweep.json" "$OUT/$stage.json" ;;
     arrivals) run arrivals 240 python3 bench/arrival_costs.py --device cuda --dtype bfloat16 \
       --concurrency 1 16 64 --out-dir /tmp/arrivals ;;
     budget_ab)  # base (bench/ab_base.sh, carried) and head in turn, AB_ROUNDS rounds (2), one warm machine;
