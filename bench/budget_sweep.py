@@ -276,21 +276,21 @@ def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
     )
     target, drafter = build_target_step(base), build_draft_step(base)
     tokenizer = load_tokenizer(target_dir(base))
-    if getattr(args, "prompt_set", "bundled") == "heldout":
+    if args.prompt_set == "heldout":
         prompts = heldout_prompts(heldout_stream(tokenizer), HELDOUT_PROMPTS, HELDOUT_PROMPT_TOKENS)
     else:
         prompts = [tokenizer.encode(p).ids for p in PROMPTS]
     return base, target, drafter, tokenizer, prompts
 
 
-def round_prompts(prompts: list, run: int, concurrency: int, rotate: bool) -> list:
+def round_prompts(prompts: list, run: int, per_round: int, rotate: bool) -> list:
     """The prompts round `run` gives every configuration alike (so a round's ratios stay
-    paired): with `rotate`, the ones after the last round's, so a level's rounds cover
-    `concurrency` x rounds texts instead of the same `concurrency` (at c = 1 one text, whose
-    own best budget then is "the best fixed budget")."""
+    paired): with `rotate`, the `per_round` after the last round's (a run's requests), so a
+    level's rounds cover that many texts each instead of the same ones (at c = 1 one text,
+    whose own best budget then is "the best fixed budget")."""
     if not rotate:
         return prompts
-    offset = (run * concurrency) % len(prompts)
+    offset = (run * per_round) % len(prompts)
     return prompts[offset:] + prompts[:offset]
 
 
@@ -335,7 +335,8 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
                 logs[name] = StepLog()
                 graphs = _num_graphs(target, drafter)
                 tag, per_slot = str(run), args.requests_per_slot
-                texts = round_prompts(prompts, run, concurrency, args.prompt_set == "heldout")
+                per_round = concurrency * per_slot
+                texts = round_prompts(prompts, run, per_round, args.prompt_set == "heldout")
                 rate = tokens_per_s(engine, texts, concurrency, args.max_tokens, tag, logs[name], per_slot)
                 logs[name].graphs_captured = _num_graphs(target, drafter) - graphs
                 if run >= args.warmup_runs:
