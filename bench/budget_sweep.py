@@ -58,6 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from acceptance import heldout_prompts, heldout_stream  # the held-out text's windows
+from virtual_device import virtualize
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, load_cost_curve
@@ -258,6 +259,13 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
         "standard library (this interpreter's), each sweep round taking the next ones "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--virtual-cost",
+        type=Path,
+        default=None,
+        help="a device's cost file: the real pair runs here, each forward taking the file's time "
+        "on the clock every timer reads (`virtual_device.py`; a simulation of that device)",
+    )
 
 
 def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
@@ -275,6 +283,8 @@ def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
         max_num_batched_tokens=1 << 20,
     )
     target, drafter = build_target_step(base), build_draft_step(base)
+    if args.virtual_cost is not None:
+        target, drafter = virtualize(target, drafter, args.virtual_cost)
     tokenizer = load_tokenizer(target_dir(base))
     if args.prompt_set == "heldout":
         prompts = heldout_prompts(heldout_stream(tokenizer), HELDOUT_PROMPTS, HELDOUT_PROMPT_TOKENS)

@@ -1,0 +1,104 @@
+"""The real model pair on this CPU, on a device's clock: each forward takes what a cost file says.
+
+`fake_device.py` replays a device's forward times over stand-in models, so its texts are
+synthetic. The budget sweeps' open question on the GPUs rests on real texts (on an H100 one of
+the eight bundled prompts sets every closed run's length at c >= 8), and on a CPU the real
+forwards' times rank the budgets the other way. Here the real target and drafter compute every
+draft and verdict, and the clock the engine, the policy and the bench read (`time.perf_counter`)
+is moved so that each call took the cost file's time for its shape: a verify
+`verify_ms(batch, batch x padded nodes)`, a prefill `verify_ms(prompts, prompt tokens)`, a draft
+`draft_ms(batch)`. The host work between them (scheduling, tree builds, the adaptive policy)
+keeps its real time on this CPU, and the host work a CUDA target runs while its device verifies
+(`while_verifying`) runs within the forward's time, as it would there. So greedy outputs and
+acceptance are the real pair's and the times are the device's forwards plus this host's Python:
+a simulation of the GPU runs, not a measurement of them. Start-up calibrations time the same
+calls, so an adaptive policy learns the cost file's curve. Verify graphs are not modelled (no
+bucket padding).
+
+    python bench/budget_sweep.py --virtual-cost bench/costs/bundled_pair_h100_bf16.json \\
+        --concurrency 1,2,4,8,16 --max-tokens 64
+"""
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ddtree_serve.engine.budget import CostCurve, load_cost_curve
+from ddtree_serve.engine.interfaces import (
+    DraftInput,
+    DraftOutput,
+    PrefillInput,
+    PrefillOutput,
+    VerifyInput,
+    VerifyOutput,
+)
+
+
+class VirtualClock:
+    """`time.perf_counter` ahead of (or behind) the real one by what the priced calls did not take."""
+
+    def __init__(self) -> None:
+        self.real: Callable[[], float] = time.perf_counter
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return self.real() + self.offset
+
+    def charge(self, started: float, seconds: float) -> None:
+        """The call that began at real time `started` took `seconds` on the clock, however long
+        it took here."""
+        self.offset += seconds - (self.real() - started)
+
+
+class VirtualTarget:
+    """A target step whose prefills and verifies take the cost file's time on `clock`."""
+
+    def __init__(self, inner, cost: CostCurve, clock: VirtualClock) -> None:
+        self.inner, self.cost, self.clock = inner, cost, clock
+        # Set by the engine (an adaptive policy's lessons): run within the verify's time.
+        self.while_verifying: Callable[[], None] | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def prefill(self, inputs: PrefillInput) -> PrefillOutput:
+        started = self.clock.real()
+        output = self.inner.prefill(inputs)
+        tokens = sum(len(p) for p in inputs.prompts)
+        self.clock.charge(started, float(self.cost.verify_ms(len(inputs.prompts), tokens)) / 1000.0)
+        return output
+
+    def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        started = self.clock.real()
+        if self.while_verifying is not None:
+            self.while_verifying()
+        hidden = self.clock.real() - started
+        output = self.inner.verify_and_commit(inputs)
+        batch = inputs.batch
+        forward_ms = float(self.cost.verify_ms(batch.batch_size, batch.batch_size * batch.padded_num_nodes))
+        self.clock.charge(started, max(forward_ms / 1000.0, hidden))
+        return output
+
+
+class VirtualDrafter:
+    """A draft step whose drafts take the cost file's time on `clock`."""
+
+    def __init__(self, inner, cost: CostCurve, clock: VirtualClock) -> None:
+        self.inner, self.cost, self.clock = inner, cost, clock
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def draft(self, inputs: DraftInput) -> DraftOutput:
+        started = self.clock.real()
+        output = self.inner.draft(inputs)
+        self.clock.charge(started, self.cost.draft_ms(len(inputs.slots)) / 1000.0)
+        return output
+
+
+def virtualize(target, drafter, cost_path: Path) -> tuple[VirtualTarget, VirtualDrafter]:
+    """The pair on the cost file's clock, which from now on is `time.perf_counter` for every
+    module that calls it through `time` (the engine, the policy, the benches)."""
+    cost, clock = load_cost_curve(cost_path), VirtualClock()
+    time.perf_counter = clock
+    return VirtualTarget(target, cost, clock), VirtualDrafter(drafter, cost, clock)
