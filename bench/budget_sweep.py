@@ -324,19 +324,27 @@ def run_live(args: argparse.Namespace) -> tuple[list[dict], list[TraceStep], lis
     rows, diagnostics = [], []
     logs: dict[str, StepLog] = {}
     _log_choices(calibrating.budget_policy, logs)
+
+    def adaptive_engine() -> SpecEngine:  # every level's adaptive engine shares one policy
+        settings = _settings(base, "adaptive", str(cost_path))
+        return SpecEngine(settings, target, drafter, tokenizer, budget_policy=calibrating.budget_policy)
+
+    for run in range(args.policy_warmup_runs):  # other texts than the timed rounds' (rotated)
+        for concurrency in concurrencies:
+            logs["adaptive"] = StepLog()
+            per_slot = args.requests_per_slot
+            texts = round_prompts(prompts, run + 1, concurrency * per_slot, True)
+            tokens_per_s(
+                adaptive_engine(), texts, concurrency, args.max_tokens, f"warm{run}", StepLog(), per_slot
+            )
+    if args.policy_warmup_runs:
+        print(f"adaptive policy warmed: {args.policy_warmup_runs} untimed run(s) at each level", flush=True)
     for concurrency in concurrencies:
         configs: list[tuple[str, SpecEngine]] = [("ar", _engine(base, "ar", target, None, tokenizer))]
         for budget in budgets:
             config = base.model_copy(update={"budget": budget})
             configs.append((f"ddtree-{budget}", _engine(config, "fixed", target, drafter, tokenizer)))
-        adaptive = SpecEngine(
-            _settings(base, "adaptive", str(cost_path)),
-            target,
-            drafter,
-            tokenizer,
-            budget_policy=calibrating.budget_policy,
-        )
-        configs.append(("adaptive", adaptive))
+        configs.append(("adaptive", adaptive_engine()))
         row: dict = {"concurrency": concurrency}
         samples: dict[str, list[float]] = {name: [] for name, _ in configs}
         for run in range(args.warmup_runs + args.repeats):  # round-robin: drift falls on all alike
@@ -706,6 +714,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="untimed runs of each configuration first (CUDA graphs met the first time, the "
         "adaptive policy learning the load)",
+    )
+    parser.add_argument(
+        "--policy-warmup-runs",
+        type=int,
+        default=0,
+        help="untimed adaptive runs at every level, in order, before the first level is timed: the "
+        "policy then meets each level as a server that has carried traffic does (0: it starts cold "
+        "at the first level, whose one warm-up run leaves its calibrator young; default: %(default)s)",
     )
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs of each configuration; the median counts"
