@@ -36,7 +36,8 @@ for stage in "${STAGES[@]}"; do
     nvidia) run nvidia 20 nvidia-smi ;;
     budget) run budget 200 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 64 --repeats 9 --out-dir /tmp/budget --traces /tmp/budget/budget_traces_cuda.json
-      cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png /tmp/budget/budget_build_cost_cuda.json "$OUT/"
+      cp /tmp/budget/budget_sweep.json /tmp/budget/budget_sweep.png /tmp/budget/budget_build_cost_cuda.json \
+        /tmp/budget/budget_cost_cuda.json "$OUT/"  # the cost file: --virtual-cost, --simulate-cost
       xz -c /tmp/budget/budget_traces_cuda.json >"$OUT/budget_traces_cuda.json.xz" ;;
     budget_cont) run budget_cont 300 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 64 --requests-per-slot 4 --repeats 5 --out-dir /tmp/budget_cont --traces /tmp/budget_cont/traces.json
