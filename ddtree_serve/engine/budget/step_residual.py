@@ -60,24 +60,7 @@ class _Ratio:
     recent: deque[float]  # the last `WINDOW` samples
     samples: int
     last_step: int  # the residual's step count at its last sample
-    mean: bool = False  # the window's trimmed mean, not its median (`StepResidual.mean`)
-    _center: float | None = None  # `center`, worked out when read after a sample
-
-    @property
-    def center(self) -> float:
-        """The recent samples' median (or trimmed mean). Worked out when read, not per sample:
-        a cruising step teaches a tokens ratio every step and reads none (on this project's CI
-        CPU the window's sort and mean were a third of a cruising step's policy time)."""
-        if self._center is None:
-            if not self.recent:
-                self._center = 1.0
-            elif not self.mean:  # a few samples: no array round trip
-                self._center = statistics.median(self.recent)
-            elif len(self.recent) >= 5:
-                self._center = statistics.fmean(sorted(self.recent)[1:-1])
-            else:
-                self._center = statistics.fmean(self.recent)
-        return self._center
+    center: float = 1.0  # the recent samples' median (or mean)
 
     def value(self, step: int, toward: float = 1.0) -> float:
         """The recent median (or mean), shrunk and faded toward `toward`."""
@@ -85,11 +68,17 @@ class _Ratio:
         trust *= 0.5 ** ((step - self.last_step) / STALE_HALF_LIFE_STEPS)
         return toward + trust * (self.center - toward)
 
-    def add(self, sample: float, step: int) -> None:
+    def add(self, sample: float, step: int, mean: bool) -> None:
         self.recent.append(sample)
         self.samples += 1
         self.last_step = step
-        self._center = None
+        # A few samples: no array round trip.
+        if not mean:
+            self.center = statistics.median(self.recent)
+        elif len(self.recent) >= 5:
+            self.center = statistics.fmean(sorted(self.recent)[1:-1])
+        else:
+            self.center = statistics.fmean(self.recent)
 
 
 @dataclass
@@ -153,5 +142,5 @@ class StepResidual:
         for table, key in keys:
             ratio = table.get(key)
             if ratio is None:  # built only when missing: this runs every step
-                ratio = table[key] = _Ratio(deque(maxlen=WINDOW), 0, self._steps, self.mean)
-            ratio.add(sample, self._steps)
+                ratio = table[key] = _Ratio(deque(maxlen=WINDOW), 0, self._steps)
+            ratio.add(sample, self._steps, self.mean)
