@@ -27,12 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget_sweep import (
-    StepLog,
-    add_pair_arguments,
-    live_pair,
-    tokens_per_s,
-)  # the sweep's pair, prompts and runs
+from budget_sweep import StepLog, add_pair_arguments, live_pair, tokens_per_s  # the sweep's pair, runs
 
 from ddtree_serve.engine.spec_engine import SpecEngine
 

@@ -129,11 +129,16 @@ class TraceRecorder:
         inputs, draft = self._draft
         self._draft = None
         accept_index, accept_len = output.accept_index.tolist(), output.accept_len.tolist()
-        k = min(self.budget, draft.logp.shape[-1])
-        logp, ids = draft.logp[..., :k].float().cpu(), draft.ids[..., :k].cpu()  # the host builder
-        for i, bonus in enumerate(inputs.bonus_tokens.tolist()):
-            tree = build_ddtree(logp[i], ids[i], self.budget, bonus)
+        for i, tree in enumerate(draft_trees(inputs, draft, self.budget)):
             self.steps.append(TraceStep(tree, tuple(accept_index[i][1 : 1 + accept_len[i]])))
+
+
+def draft_trees(inputs: DraftInput, output: DraftOutput, budget: int) -> list[DraftTree]:
+    """Each drafted request's full best-first tree at `budget` nodes, built on the host."""
+    k = min(budget, output.logp.shape[-1])
+    logp, ids = output.logp[..., :k].float().cpu(), output.ids[..., :k].cpu()
+    bonuses = inputs.bonus_tokens.tolist()
+    return [build_ddtree(logp[i], ids[i], budget, bonus) for i, bonus in enumerate(bonuses)]
 
 
 class RecordingDrafter:

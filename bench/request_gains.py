@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_sweep  # the sweep's prompts and model pair
 
 from ddtree_serve.engine.sampling_params import SamplingParams
-from ddtree_serve.tree import build_ddtree
 
 
 class SlotRecorder:
@@ -40,11 +39,9 @@ class SlotRecorder:
         self._slots: list[int] = []
 
     def drafted(self, inputs, output) -> None:
-        k = min(self.budget, output.logp.shape[-1])
-        logp, ids = output.logp[..., :k].float().cpu(), output.ids[..., :k].cpu()
         self._slots = list(inputs.slots)
-        for i, (slot, bonus) in enumerate(zip(self._slots, inputs.bonus_tokens.tolist(), strict=True)):
-            tree = build_ddtree(logp[i], ids[i], self.budget, bonus)
+        trees = budget_sweep.draft_trees(inputs, output, self.budget)
+        for slot, tree in zip(self._slots, trees, strict=True):
             self.expected.setdefault(slot, []).append(float(np.exp(tree.logws[1:]).sum()))
 
     def reset(self) -> None:

@@ -33,12 +33,14 @@ from ddtree_serve.engine.interfaces import (
     VerifyOutput,
 )
 
+REAL_PERF_COUNTER = time.perf_counter  # as imported, before any `virtualize`
+
 
 class VirtualClock:
     """`time.perf_counter` ahead of (or behind) the real one by what the priced calls did not take."""
 
     def __init__(self) -> None:
-        self.real: Callable[[], float] = time.perf_counter
+        self.real: Callable[[], float] = REAL_PERF_COUNTER
         self.offset = 0.0
 
     def __call__(self) -> float:
