@@ -699,7 +699,9 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
         while (width := cruising.cruise_width(1, 8)) is not None:
             cruised_steps += 1
             draft = random_draft(seed + cruised_steps, depth=6, k=8)
-            record = cruising.cruised(TreeBatch.from_trees([build_ddtree(*draft, width, root_token=7)]), [1])
+            cruising.cruised(TreeBatch.from_trees([build_ddtree(*draft, width, root_token=7)]), [1])
+            record = cruising.last_step
+            assert record is not None and record is cruising.last_step  # made once, when read
             assert record.drafted and record.num_nodes == (width,) and record.accepted == 1
             assert record.predicted_accepted > 0.0
         assert cruised_steps == held_steps >= 1
