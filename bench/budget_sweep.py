@@ -61,7 +61,7 @@ from acceptance import heldout_prompts, heldout_stream  # the held-out text's wi
 from virtual_device import virtualize
 
 from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, load_cost_curve
+from ddtree_serve.engine.budget import AdaptiveBudget, BudgetStep, BuildCost, CostCurve, load_cost_curve
 from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
 from ddtree_serve.engine.interfaces import DraftInput, DraftOutput, VerifyInput, VerifyOutput
 from ddtree_serve.engine.sampling_params import SamplingParams
@@ -188,10 +188,10 @@ class StepLog:
     tokens: int = 0
     seconds: float = 0.0
     ceilings: Counter[int] = field(default_factory=Counter)
-    drafted_rows: int = 0  # requests of drafted steps (adaptive)
-    verified_nodes: int = 0  # draft nodes they verified
-    predicted: float = 0.0  # draft tokens the policy expected them to accept
-    accepted: int = 0  # draft tokens they accepted
+    # The adaptive policy's records of its drafted steps, read after the run (`summary`): a
+    # settled step's forecast is worked out when read, and reading it in the step would time
+    # host work the engine does not do.
+    drafted_steps: list[BudgetStep] = field(default_factory=list)
     graphs_captured: int = 0  # CUDA graphs (target verify, drafter) captured during these runs
 
     def add(self, other: "StepLog") -> None:
@@ -212,10 +212,13 @@ class StepLog:
             summary["ceiling_share"] = {
                 str(c): n / sum(self.ceilings.values()) for c, n in sorted(self.ceilings.items())
             }
-        if self.drafted_rows:
-            summary["nodes_per_drafted_request"] = self.verified_nodes / self.drafted_rows
-            summary["predicted_per_drafted_request"] = self.predicted / self.drafted_rows
-            summary["accepted_per_drafted_request"] = self.accepted / self.drafted_rows
+        steps = self.drafted_steps
+        drafted_rows = sum(sum(n > 0 for n in step.num_nodes) for step in steps)  # a probe drafts a few
+        if drafted_rows:
+            summary["nodes_per_drafted_request"] = sum(sum(step.num_nodes) for step in steps) / drafted_rows
+            predicted = sum(step.predicted_accepted for step in steps)
+            summary["predicted_per_drafted_request"] = predicted / drafted_rows
+            summary["accepted_per_drafted_request"] = sum(step.accepted for step in steps) / drafted_rows
         return summary
 
 
@@ -232,11 +235,7 @@ def _log_choices(policy: AdaptiveBudget, log: dict[str, StepLog]) -> None:
     def logged_observe(*args, **kwargs):
         step = observe(*args, **kwargs)
         if step.drafted:
-            entry = log.setdefault("adaptive", StepLog())
-            entry.drafted_rows += sum(n > 0 for n in step.num_nodes)  # a probe drafts a few
-            entry.verified_nodes += sum(step.num_nodes)
-            entry.predicted += step.predicted_accepted
-            entry.accepted += step.accepted
+            log.setdefault("adaptive", StepLog()).drafted_steps.append(step)
         return step
 
     policy.plan = logged_plan  # type: ignore[method-assign]
