@@ -248,7 +248,7 @@ def test_caps_shrinking_within_their_power_of_two_keep_the_streak(monkeypatch):
     assert len(decisions) <= 1  # at most the recheck (`recheck_steps`)
 
 
-@pytest.mark.parametrize(("batch_size", "held"), [(1, 32), (2, 16), (3, 11), (4, 8), (16, 8)])
+@pytest.mark.parametrize(("batch_size", "held"), [(1, 64), (2, 32), (3, 22), (4, 16), (16, 16), (32, 16)])
 def test_a_drafting_streak_decides_again_once_its_steps_held_enough_requests(monkeypatch, batch_size, held):
     """A decision re-reads the curve and the ratios, which a step moves by one tree a request: a
     drafting streak keeps its choice for `DRAFTED_RECHECK_STEPS` steps, or as many as hold

@@ -61,16 +61,20 @@ RECHECK_SHIFT = 0.05
 share), and the step after a probe of the choice's neighbours once the probe moved its ceiling's
 step-time ratio this much."""
 
-DRAFTED_RECHECK_STEPS = 8
+DRAFTED_RECHECK_STEPS = 16
 """A drafting streak over the same batch decides again after this many steps at least
-(`recheck_steps`)."""
+(`recheck_steps`). A price that moves (`RECHECK_SHIFT`) and the probes of the neighbouring
+ceilings still decide sooner; the recheck only bounds how long a streak trusts a still curve.
+Rechecking every 8 steps (32 requests) had a third of the adaptive steps at c = 4 on the virtual
+H100 (`bench/virtual_device.py`) decide or weigh, each 0.3-0.7 ms over a fixed budget's step;
+at 16 (64 requests) c = 1-16 rose from 0.91-0.95 of the best fixed budget to 0.92-0.96 there."""
 
-RECHECK_REQUESTS = 32
+RECHECK_REQUESTS = 64
 """... and after its steps held this many requests between them: at batch 1 a step teaches one
 request's tree, so eight of them move the curve little, while the decision costs what it costs
 at any batch (on the fake device's replay of the H200's costs at c = 1, 0.4-0.5 ms over a
 cruising step's 2.3). There, rechecking every 32 steps at batch 1 and 16 at batch 2 (8 from
-batch 4, as before) took c = 1 from 0.91-0.93 of the best fixed budget to 0.95-0.98 over five
+batch 4, as then) took c = 1 from 0.91-0.93 of the best fixed budget to 0.95-0.98 over five
 rounds; doubling the interval after each unchanged decision at every batch (the fifteenth
 session) had held an early choice at c = 8 on the H200."""
 
