@@ -306,6 +306,27 @@ def test_a_decided_step_teaches_the_narrower_ceilings_tokens_from_its_trees_pref
     assert tokens.ratio(2, 8) == pytest.approx(before, rel=0.05)  # aged a step, no lesson
 
 
+def test_a_ceiling_wider_than_the_one_taken_reads_its_tokens_ratio():
+    """Ceiling 16's own steps once made half their forecast (another text, long ago); ceiling
+    8's steps now make theirs. Every width costs the same, so the wider tree wins unless its
+    tokens are priced low: the gate prices 16 with 8's ratio (the steps taken say how far the
+    forecast is off now; 16's nodes past 8 are known from the forecast alone) and takes it, where
+    16's stale ratio would have held it at 8, whose steps never tell what 16 makes."""
+    gate = DraftGate(probe_interval=1024)
+    gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+    cost = flat_cost(verify_ms=4.0, draft_ms=1.0)
+    for _ in range(WINDOW):
+        gate.token_residual.observe(2, 16, predicted_ms=18.0, measured_ms=9.0)
+    for _ in range(2 * WINDOW):  # ceiling 8's steps (and its narrower probe, which teaches no tokens)
+        gate.ceiling([8, 8], cost, FREE_BUILD, "padded")
+        gate.record_step_ms(5.0, tokens=round(gate._decided[3]))
+    assert gate.token_residual.ratio(2, 16) < 0.7 < 0.95 < gate.token_residual.ratio(2, 8)
+    assert gate.ceiling([16, 16], cost, FREE_BUILD, "padded") == 16
+    gate._tokens_ceiling.clear()  # as before: each ceiling read its own ratio
+    gate._streak = None
+    assert gate.ceiling([16, 16], cost, FREE_BUILD, "padded") == 8
+
+
 def test_a_ceiling_turned_away_from_does_not_fade_below_the_machines_level():
     """Plain steps run 1.1x their prediction (the machine's share of what the models miss);
     a drafting ceiling measured at 1.3x, then left for a long plain streak, fades toward 1.1,

@@ -167,6 +167,9 @@ class DraftGate:
         self.residual = StepResidual()
         # Per (batch bucket, ceiling): tokens a drafted step made over the tokens it forecast.
         self.token_residual = StepResidual(mean=True)
+        # Per batch bucket, the ceiling whose own steps taught its tokens ratio last: the ratio
+        # of a wider one is read from it (`_drafted_ceilings`).
+        self._tokens_ceiling: dict[int, int] = {}
         self._probe_turn = 0  # the next drafting probe's direction: an index into `PROBE_TURNS`
         # (batch size, ceiling, predicted step ms, forecast tokens) of the step the last
         # `ceiling` decided, for `record_step_ms`; None when that step teaches no ratio (the
@@ -346,6 +349,7 @@ class DraftGate:
         where drafting made 2.6x their tokens."""
         if self._streak_choice > 0 and batch_size == self._streak_batch and self._streak_tokens > 0.0:
             self.token_residual.observe(batch_size, self._streak_choice, self._streak_tokens, tokens)
+            self._tokens_ceiling[batch_bucket(batch_size)] = self._streak_choice
 
     def hold_unchecked(self, plain: bool = False) -> None:
         """A step that kept the streak's choice without asking (`steps_held_ahead`,
@@ -465,6 +469,7 @@ class DraftGate:
             narrower_probe = self.probing_neighbour and ceiling < self._streak_choice
             if ceiling > 0 and tokens is not None and not narrower_probe:  # a plain step's are its batch
                 self.token_residual.observe(batch_size, ceiling, predicted_tokens, tokens)
+                self._tokens_ceiling[batch_bucket(batch_size)] = ceiling
                 taught_tokens = True
                 for narrower, made in (tokens_within or {}).items():
                     forecast = self._narrower_forecasts.get(narrower)
@@ -488,7 +493,22 @@ class DraftGate:
         """The drafting ceilings, their predicted rates corrected by their measured ratios (tokens
         made over forecast, step time taken over predicted), and their predicted step
         milliseconds and tokens (the models' own, which the ratios are learned against).
-        `acceptance`: the recent curve, calibrated."""
+        `acceptance`: the recent curve, calibrated.
+
+        A ceiling wider than the one whose own steps taught the tokens ratio last at this batch
+        bucket (the one taken) is priced at the taken one's corrected tokens plus its further
+        nodes' forecast: the steps taken say what its first nodes make now (a narrower ceiling
+        learns its own ratio from their prefixes at every step, a wider one only when it is taken
+        or probed, one request's tree a probe at batch 1), and the nodes past them are known
+        from the forecast alone. Read from its own stale samples, the wider ceiling's ratio swung
+        by a fifth between decisions on the virtual H100 at c = 1, below the taken one's as often
+        as not, and the gate held 32 in half the steps where fixed-64 makes 7% more tokens at the
+        same step time; priced so, c = 1 went from 0.91-0.92 of the best fixed budget to
+        0.93-0.96 there (three sweeps each, c = 2 0.92-0.95 -> 0.95-0.96). The taken ratio is not
+        carried onto the further nodes: a narrower ceiling's ratio is the larger (at c = 1 16:
+        1.41, 32: 1.30, as measured), and carried so it held the CI CPU, where width is dear, at
+        16 where 8 wins (c = 1 0.88-0.92 in three sweeps, against 0.94-0.98). Once taken, a wider
+        ceiling reads its own steps' ratio."""
         batch_size = len(caps)
         candidates = powers_of_two_upto(max(caps))
         nodes_built = _nodes_built(caps, candidates)
@@ -497,7 +517,13 @@ class DraftGate:
         rates, step_ms = ceiling_rates(acceptance, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
         tokens = rates * step_ms / 1000.0
         made, took = self.token_residual, self.residual
-        ratios = np.array([made.ratio(batch_size, c) / took.ratio(batch_size, c) for c in candidates])
+        made_ratios = np.array([made.ratio(batch_size, c) for c in candidates])
+        measured = self._tokens_ceiling.get(batch_bucket(batch_size), candidates[-1])
+        taken = max(i for i, c in enumerate(candidates) if c <= measured or i == 0)
+        corrected = tokens * made_ratios
+        wider = slice(taken + 1, None)
+        corrected[wider] = corrected[taken] + tokens[wider] - tokens[taken]
+        ratios = corrected / tokens / np.array([took.ratio(batch_size, c) for c in candidates])
         return candidates, rates * ratios, step_ms, tokens
 
     @staticmethod
