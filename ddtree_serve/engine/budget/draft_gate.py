@@ -39,6 +39,7 @@ recorded traces), so the gate also keeps, per position, an EMA of the ratio of t
 step measured it (`spread`), and multiplies it in.
 """
 
+import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -517,14 +518,13 @@ class DraftGate:
         rates, step_ms = ceiling_rates(acceptance, caps, candidates, cost, draft_ms=draft_ms, layout=layout)
         tokens = rates * step_ms / 1000.0
         made, took = self.token_residual, self.residual
-        made_ratios = np.array([made.ratio(batch_size, c) for c in candidates])
+        corrected = tokens * np.array([made.ratio(batch_size, c) for c in candidates])
+        # The candidate of the ceiling taken (the widest, where none has taught tokens yet).
         measured = self._tokens_ceiling.get(batch_bucket(batch_size), candidates[-1])
-        taken = max(i for i, c in enumerate(candidates) if c <= measured or i == 0)
-        corrected = tokens * made_ratios
-        wider = slice(taken + 1, None)
-        corrected[wider] = corrected[taken] + tokens[wider] - tokens[taken]
-        ratios = corrected / tokens / np.array([took.ratio(batch_size, c) for c in candidates])
-        return candidates, rates * ratios, step_ms, tokens
+        taken = bisect.bisect_right(candidates, measured) - 1
+        corrected[taken + 1 :] = corrected[taken] + tokens[taken + 1 :] - tokens[taken]
+        took_ratios = np.array([took.ratio(batch_size, c) for c in candidates])
+        return candidates, 1000.0 * corrected / step_ms / took_ratios, step_ms, tokens
 
     @staticmethod
     def _first_ceiling(caps: Sequence[int], cost: StepCost, build: BuildCost, overhead: StepOverhead) -> int:
