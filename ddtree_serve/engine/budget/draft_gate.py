@@ -47,6 +47,7 @@ import numpy as np
 
 from ddtree_serve.engine.budget.allocator import StepCost, TokenLayout, ceiling_rates, plain_decode_rate
 from ddtree_serve.engine.budget.build_cost import BuildCost
+from ddtree_serve.engine.budget.marginal_gain import MarginalGain
 from ddtree_serve.engine.budget.measure import powers_of_two_upto
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import StepResidual, batch_bucket
@@ -171,6 +172,10 @@ class DraftGate:
         # Per batch bucket, the ceiling whose own steps taught its tokens ratio last: the ratio
         # of a wider one is read from it (`_drafted_ceilings`).
         self._tokens_ceiling: dict[int, int] = {}
+        # Per (batch bucket, ceiling): tokens its nodes past the next narrower ceiling's made over
+        # their forecast, from the taken steps' prefixes: a wider ceiling's further nodes are
+        # priced by it (`_drafted_ceilings`).
+        self.marginal = MarginalGain()
         self._probe_turn = 0  # the next drafting probe's direction: an index into `PROBE_TURNS`
         # (batch size, ceiling, predicted step ms, forecast tokens) of the step the last
         # `ceiling` decided, for `record_step_ms`; None when that step teaches no ratio (the
@@ -476,6 +481,12 @@ class DraftGate:
                     forecast = self._narrower_forecasts.get(narrower)
                     if forecast:
                         self.token_residual.observe(batch_size, narrower, forecast, made, counterfactual=True)
+                if tokens_within:
+                    self.marginal.observe(
+                        batch_size,
+                        {**tokens_within, ceiling: tokens},
+                        {**self._narrower_forecasts, ceiling: predicted_tokens},
+                    )
             if before and abs(self.residual.ratio(batch_size, ceiling) - before) > RECHECK_SHIFT * before:
                 self._streak = None
         if not taught_tokens:
@@ -509,7 +520,10 @@ class DraftGate:
         carried onto the further nodes: a narrower ceiling's ratio is the larger (at c = 1 16:
         1.41, 32: 1.30, as measured), and carried so it held the CI CPU, where width is dear, at
         16 where 8 wins (c = 1 0.88-0.92 in three sweeps, against 0.94-0.98). Once taken, a wider
-        ceiling reads its own steps' ratio."""
+        ceiling reads its own steps' ratio. Each further doubling's forecast gain is scaled by
+        what that doubling's nodes made over their forecast when steps last ran that wide
+        (`marginal_gain.py`): forecast alone, 64's nodes past 32 were priced at half what they
+        made on an H100 at batch 1, and the gate never took 64 there, the best fixed budget."""
         batch_size = len(caps)
         candidates = powers_of_two_upto(max(caps))
         nodes_built = _nodes_built(caps, candidates)
@@ -522,7 +536,9 @@ class DraftGate:
         # The candidate of the ceiling taken (the widest, where none has taught tokens yet).
         measured = self._tokens_ceiling.get(batch_bucket(batch_size), candidates[-1])
         taken = bisect.bisect_right(candidates, measured) - 1
-        corrected[taken + 1 :] = corrected[taken] + tokens[taken + 1 :] - tokens[taken]
+        for i in range(taken + 1, len(candidates)):  # each doubling's forecast gain, as measured
+            gain = tokens[i] - tokens[i - 1]
+            corrected[i] = corrected[i - 1] + self.marginal.ratio(batch_size, candidates[i]) * gain
         took_ratios = np.array([took.ratio(batch_size, c) for c in candidates])
         return candidates, 1000.0 * corrected / step_ms / took_ratios, step_ms, tokens
 
