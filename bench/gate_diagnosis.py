@@ -4,9 +4,10 @@ Runs `budget_sweep.py` (same arguments) with the policy's decisions recorded: at
 of the gate, per candidate ceiling, its predicted rate (over its measured step-time ratio), its
 predicted step milliseconds, that ratio and the forecast tokens of the step; and per adaptive
 step, kept by (batch bucket, ceiling), the tokens it made, the tokens its allocation forecast,
-its wall time and whether it was settled. Then the calibrator's bins and the gate's curve,
-raw and calibrated. A forecast that prices the wider ceilings' nodes at nothing, or a ratio
-that makes one ceiling dear, shows here before it shows as a wrong choice in the sweep.
+its wall time and whether it was settled. Then the gate's marginal gains, the calibrator's
+bins and the gate's curve, raw and calibrated. A forecast that prices the wider ceilings' nodes
+at nothing, or a ratio that makes one ceiling dear, shows here before it shows as a wrong choice
+in the sweep.
 
 As the sweep runs, each adaptive run also prints its steps' choices in order: the ceiling (0:
 plain), marked `P` for a probe after plain steps, `N` for a probe of the choice's neighbours
@@ -216,7 +217,19 @@ def report(last: int = 20) -> list[str]:
             f"{ms:6.2f} ms, {tokens / ms:6.2f} tokens/ms"
         )
     if policies:
+        lines += _marginal_gains(policies[0].gate)
         lines += _calibration(policies[0])
+    return lines
+
+
+def _marginal_gains(gate: DraftGate) -> list[str]:
+    """Per batch bucket, each ceiling's gain over the next narrower one, made over forecast as the
+    gate reads it (`marginal_gain.py`; 1.00 where nothing was measured or it fell below 1)."""
+    keys = sorted(gate.marginal._windows)
+    lines = ["== marginal gain (made over forecast tokens past the next narrower ceiling), by bucket"]
+    for bucket in sorted({b for b, _ in keys}):
+        ratios = [f"{c}: {gate.marginal.ratio(bucket, c):.2f}" for b, c in keys if b == bucket]
+        lines.append(f"  bucket {bucket:3d}: " + ", ".join(ratios))
     return lines
 
 
