@@ -3,12 +3,11 @@
 import numpy as np
 import pytest
 
-from ddtree_serve.engine.budget import BuildCost, CostCurve, DraftGate
+from ddtree_serve.engine.budget import DraftGate
 from ddtree_serve.engine.budget.marginal_gain import PRIOR_TOKENS, WINDOW_STEPS, MarginalGain
 from ddtree_serve.engine.budget.step_residual import MAX_RATIO
-
-CONFIDENT = np.array([0.95, 0.9, 0.86, 0.8, 0.75, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1])
-FREE_BUILD = BuildCost(0.0, 0.0, 0.0)
+from tests.engine.test_budget_allocator import linear_curve
+from tests.engine.test_budget_step_residual import CONFIDENT, FREE_BUILD
 
 
 def test_a_gain_is_a_ratio_of_sums_over_its_window():
@@ -41,13 +40,6 @@ def test_each_ceiling_learns_its_gain_over_the_next_narrower_one():
     assert gain.ratio(4, 32) == 1.0  # no step ran at 32
 
 
-def linear_cost(fixed_ms: float, per_token_ms: float, draft_ms: float) -> CostCurve:
-    """A verify costs fixed + per_token * target tokens at every batch size."""
-    tokens = np.array([1.0, 4096.0])
-    rows = [[fixed_ms + per_token_ms * t for t in tokens]] * 2
-    return CostCurve([1, 64], tokens, rows, draft_ms=[draft_ms, draft_ms])
-
-
 def test_a_wider_ceilings_further_nodes_are_priced_by_what_they_made():
     """Ceiling 16's steps made twice the forecast of their nodes past 8 (their first 8 nodes as
     forecast); the gate has taken 8 since. A 16-node step costs 1.44x an 8-node one: at the
@@ -55,7 +47,7 @@ def test_a_wider_ceilings_further_nodes_are_priced_by_what_they_made():
     it takes 16."""
     gate = DraftGate(probe_interval=1024)
     gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
-    free_width = linear_cost(fixed_ms=4.0, per_token_ms=0.0, draft_ms=1.0)
+    free_width = linear_curve(fixed_ms=4.0, per_token_ms=0.0, draft_ms=1.0)
     for _ in range(2 * WINDOW_STEPS):  # steps at 16, and its probes of 8 (which teach no tokens)
         ceiling = gate.ceiling([16, 16], free_width, FREE_BUILD, "padded")
         forecast = {**gate._narrower_forecasts, ceiling: gate._decided[3]}
@@ -67,7 +59,7 @@ def test_a_wider_ceilings_further_nodes_are_priced_by_what_they_made():
     assert gate.marginal.ratio(2, 8) == pytest.approx(1.0, abs=0.15)
     gate._tokens_ceiling[2] = 8  # the steps since took 8
     gate._streak = None
-    dear_width = linear_cost(fixed_ms=1.0, per_token_ms=0.11, draft_ms=1.0)
+    dear_width = linear_curve(fixed_ms=1.0, per_token_ms=0.11, draft_ms=1.0)
     assert gate.ceiling([16, 16], dear_width, FREE_BUILD, "padded") == 16
     gate.marginal = MarginalGain()  # as before: the further nodes at their forecast
     gate._streak = None
