@@ -699,7 +699,7 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
         while (width := cruising.cruise_width(1, 8)) is not None:
             cruised_steps += 1
             draft = random_draft(seed + cruised_steps, depth=6, k=8)
-            cruising.cruised(TreeBatch.from_trees([build_ddtree(*draft, width, root_token=7)]), [1])
+            cruising.cruised(TreeBatch.from_trees([build_ddtree(*draft, width, root_token=7)]), [[1]])
             record = cruising.last_step
             assert record is not None and record is cruising.last_step  # made once, when read
             assert record.drafted and record.num_nodes == (width,) and record.accepted == 1
@@ -755,6 +755,7 @@ def test_a_drafting_cruise_teaches_its_tokens_ratio_from_whole_trees_at_its_batc
     gate._streak_choice, gate._streak_batch, gate._streak_tokens = 16, 2, 10.0
     drafts = [random_draft(seed, depth=6, k=8) for seed in (1, 2)]
     pair = TreeBatch.from_trees([build_ddtree(*draft, 8, root_token=7) for draft in drafts])
+    drained = TreeBatch.from_trees([build_ddtree(*drafts[0], 8, root_token=7)])  # the batch drained to 1
 
     def samples() -> int:
         ratio = gate.token_residual._ratios.get((2, 16))
@@ -762,17 +763,45 @@ def test_a_drafting_cruise_teaches_its_tokens_ratio_from_whole_trees_at_its_batc
 
     taught = []
     for whole, trees, accepted, width in (
-        (False, pair, [1, 2], 8),
-        (True, pair, [1, 2], 0),
-        (True, TreeBatch.from_trees([build_ddtree(*drafts[0], 8, root_token=7)]), [4], 8),  # drained to 1
-        (True, pair, [1, 2], 8),
+        (False, pair, [[1], [1, 2]], 8),
+        (True, pair, [[1], [1, 2]], 0),
+        (True, drained, [[1, 2, 3, 4]], 8),
+        (True, pair, [[1], [1, 2]], 8),
     ):
         policy._cruise = _Cruise(ceiling=16, width=width, batch_bucket=2, cap_bucket=16, steps_left=2)
         before = samples()
         policy.cruised(trees, accepted, whole=whole)
+        policy.learn()  # where the lesson waits (the next verify's, on a device)
         taught.append(samples() > before)
     assert taught == [False, False, False, True]
     assert gate.token_residual._ratios[(2, 16)].center == pytest.approx(0.5)  # 5 made of 10 forecast
+
+
+def test_a_whole_cruise_step_teaches_the_narrower_ceilings_from_its_trees_prefixes():
+    """A cruising step's trees are the streak's: their first c nodes are ceiling c's trees, so
+    the ceilings below the streak's learn their tokens ratios (against the forecasts the streak
+    was decided with) and the marginal gains from the same text as the streak's own, not from
+    the steps that last decided (another prompt, at batch 1)."""
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
+    gate = policy.gate
+    gate._streak_choice, gate._streak_batch, gate._streak_tokens = 16, 2, 10.0
+    gate._streak_narrower = {4: 4.0, 8: 5.0}
+    pair = TreeBatch.from_trees(
+        [build_ddtree(*random_draft(seed, depth=6, k=8), 8, root_token=7) for seed in (1, 2)]
+    )
+    policy._cruise = _Cruise(ceiling=16, width=8, batch_bucket=2, cap_bucket=16, steps_left=2)
+    # Nodes 1 and 1, 3 accepted: cut to 4 nodes the trees keep all three, cut to 2 two of them.
+    policy.cruised(pair, [[1], [1, 3]], whole=True)
+    assert not gate.token_residual._ratios  # taught at the next `learn`, `plan` or `cruised`
+    policy.learn()
+    ratios = gate.token_residual._ratios
+    assert ratios[(2, 4)].center == pytest.approx(5 / 4)  # 3 accepted + 2 bonuses over 4.0
+    assert ratios[(2, 8)].center == pytest.approx(5 / 5)
+    assert (2, 2) not in ratios  # no forecast of 2 at the streak's decision
+    assert ratios[(2, 16)].center == pytest.approx(5 / 10)
+    # The marginal gains of the doublings with forecasts on both sides: 8 over 4 and 16 over 8.
+    assert set(gate.marginal._windows) == {(2, 8), (2, 16)}
+    assert list(gate.marginal._windows[(2, 16)]) == [(5.0, 0.0)]  # 5 forecast past 8, none made
 
 
 def test_a_drafting_cruise_holds_as_its_batch_drains_and_ends_when_it_grows():

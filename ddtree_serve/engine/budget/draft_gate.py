@@ -344,9 +344,12 @@ class DraftGate:
             return 0
         return max(0, self.plain_probe_interval(self._streak_batch) - self.steps_since_probe)
 
-    def record_cruise_tokens(self, batch_size: int, tokens: int) -> None:
+    def record_cruise_tokens(
+        self, batch_size: int, tokens: int, tokens_within: Mapping[int, int] | None = None
+    ) -> None:
         """The tokens a drafting cruise's step made (its accepted draft tokens and bonuses), its
-        trees whole: they teach the streak's ceiling its tokens ratio against the forecast the
+        trees whole, and what their prefixes would have made (`record_step_ms`): they teach the
+        streak's ceiling and those below it their tokens ratios against the forecasts the
         streak was decided with, at the batch it was decided at (a drained batch's would be
         biased). Taught only by the steps that decide or hold, the ratio came from the steps
         next to decisions and probes; on the fake device's replay of an H100's costs at c = 1,
@@ -354,8 +357,8 @@ class DraftGate:
         forecast, against four fifths over all its steps) and turned the gate to plain steps
         where drafting made 2.6x their tokens."""
         if self._streak_choice > 0 and batch_size == self._streak_batch and self._streak_tokens > 0.0:
-            self.token_residual.observe(batch_size, self._streak_choice, self._streak_tokens, tokens)
-            self._tokens_ceiling[batch_bucket(batch_size)] = self._streak_choice
+            choice, forecast = self._streak_choice, self._streak_tokens
+            self._teach_tokens(batch_size, choice, forecast, tokens, tokens_within, self._streak_narrower)
 
     def hold_unchecked(self, plain: bool = False) -> None:
         """A step that kept the streak's choice without asking (`steps_held_ahead`,
@@ -464,7 +467,8 @@ class DraftGate:
         plain steps on drafted steps that made little tries drafting again as they fade
         (`STALE_HALF_LIFE_STEPS`); probes alone cannot teach them (they draft a few requests of
         the batch). Drafting cruises' steps, which the policy does not give here, teach the tokens
-        ratio alone (`record_cruise_tokens`); plain cruises' age them (`hold_unchecked`)."""
+        ratios and the marginal gains alone (`record_cruise_tokens`); plain cruises' age the
+        ratios (`hold_unchecked`)."""
         taught_tokens = False
         if self._decided is not None:
             batch_size, ceiling, predicted_ms, predicted_tokens = self._decided
@@ -474,24 +478,38 @@ class DraftGate:
             # teach its tokens (and their prefixes') on the same text as the choice's own.
             narrower_probe = self.probing_neighbour and ceiling < self._streak_choice
             if ceiling > 0 and tokens is not None and not narrower_probe:  # a plain step's are its batch
-                self.token_residual.observe(batch_size, ceiling, predicted_tokens, tokens)
-                self._tokens_ceiling[batch_bucket(batch_size)] = ceiling
+                self._teach_tokens(
+                    batch_size, ceiling, predicted_tokens, tokens, tokens_within, self._narrower_forecasts
+                )
                 taught_tokens = True
-                for narrower, made in (tokens_within or {}).items():
-                    forecast = self._narrower_forecasts.get(narrower)
-                    if forecast:
-                        self.token_residual.observe(batch_size, narrower, forecast, made, counterfactual=True)
-                if tokens_within:
-                    self.marginal.observe(
-                        batch_size,
-                        {**tokens_within, ceiling: tokens},
-                        {**self._narrower_forecasts, ceiling: predicted_tokens},
-                    )
             if before and abs(self.residual.ratio(batch_size, ceiling) - before) > RECHECK_SHIFT * before:
                 self._streak = None
         if not taught_tokens:
             self.token_residual.age()
         self._decided = None
+
+    def _teach_tokens(
+        self,
+        batch_size: int,
+        ceiling: int,
+        forecast: float,
+        tokens: int,
+        tokens_within: Mapping[int, int] | None,
+        narrower_forecasts: Mapping[int, float],
+    ) -> None:
+        """A drafted step's tokens at `ceiling` against their forecast, and its prefixes' at the
+        ceilings below against theirs: the tokens ratios and the marginal gains."""
+        self.token_residual.observe(batch_size, ceiling, forecast, tokens)
+        self._tokens_ceiling[batch_bucket(batch_size)] = ceiling
+        for narrower, made in (tokens_within or {}).items():
+            if narrower_forecasts.get(narrower):
+                self.token_residual.observe(
+                    batch_size, narrower, narrower_forecasts[narrower], made, counterfactual=True
+                )
+        if tokens_within:
+            self.marginal.observe(
+                batch_size, {**tokens_within, ceiling: tokens}, {**narrower_forecasts, ceiling: forecast}
+            )
 
     def _drafted_ceilings(
         self,

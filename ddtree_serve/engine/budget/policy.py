@@ -196,6 +196,8 @@ class AdaptiveBudget:
         # A drafting cruise's step, its record not yet made (`cruised`): trees, accepted draft
         # tokens per request, ceiling and the calibration then.
         self._cruise_record: tuple[TreeBatch, tuple[int, ...], int, Callable] | None = None
+        # A whole cruising step's trees, not yet taught to the gate (`_learn_cruise`).
+        self._cruise_lesson: _CruiseLesson | None = None
         self._ceiling = 0
         self._draft_ms: float | None = None
         self._build_ms: float | None = None
@@ -239,6 +241,7 @@ class AdaptiveBudget:
         return ceiling
 
     def _plan(self, caps: Sequence[int]) -> int:
+        self._learn_cruise()  # before the gate weighs the ratios it teaches
         self._cruise = None
         self._cap_bucket = batch_bucket(max(caps, default=0))
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
@@ -331,12 +334,18 @@ class AdaptiveBudget:
         """No more cruising steps: the next step plans."""
         self._cruise = None
 
-    def cruised(self, trees: TreeBatch, accepted: Sequence[int], whole: bool = False) -> None:
+    def cruised(self, trees: TreeBatch, accepted_nodes: Sequence[Sequence[int]], whole: bool = False) -> None:
         """Ends a cruising step (`cruise_width`): its verified trees and each one's accepted
-        draft token count; its record (made, and its forecast worked out, when read) is `last_step`.
-        `whole`: no tree was cut below the cruise's width (by a request's end or a graph's
-        width), so the tokens it made teach the streak's tokens ratio
-        (`DraftGate.record_cruise_tokens`)."""
+        draft nodes (root excluded); its record (made, and its forecast worked out, when read)
+        is `last_step`. `whole`: no tree was cut below the cruise's width (by a request's end or
+        a graph's width), so the tokens it made teach the streak's tokens ratio, and its trees'
+        prefixes the narrower ceilings' and the marginal gains (`DraftGate.record_cruise_tokens`).
+        Taught at the steps that decide or hold only, a narrower ceiling's ratio was a streak
+        older than the choice's: on an H100 at batch 1, where each run is another prompt, the
+        gate took 16 and 32 in turn, each decision finding the choice's ratio (this prompt's)
+        under the other's (the last prompt's). The lesson waits for `learn` (the next verify's,
+        on a device), or the next `plan` or `cruised`: taught here, it cost 0.07 ms of a 3.7 ms
+        cruising step at batch 8 on the virtual H100 (`bench/virtual_device.py`)."""
         cruise = self._cruise
         assert cruise is not None, "cruised without a cruise_width"
         cruise.steps_left -= 1
@@ -345,12 +354,16 @@ class AdaptiveBudget:
             zeros = (0,) * trees.batch_size
             self.last_step = BudgetStep(False, zeros, (0.0,) * trees.batch_size, zeros)
             return
+        accepted = tuple(len(nodes) for nodes in accepted_nodes)
+        self._learn_cruise()
         if whole:
-            self.gate.record_cruise_tokens(trees.batch_size, sum(accepted) + trees.batch_size)
+            self._cruise_lesson = _CruiseLesson(
+                trees.batch_size, cruise.ceiling, int(trees.num_nodes.max()) - 1, accepted_nodes
+            )
         # Made when read (`last_step`): the in-process engine reads none, a served one every
         # step, and the record's array work was 50 of a cruising step's 90 us of policy time
         # on the CI CPU at batch 4 (the H100's host spent 0.05 ms a step in `cruised`).
-        self._cruise_record = (trees, tuple(accepted), cruise.ceiling, self.calibrator.frozen())
+        self._cruise_record = (trees, accepted, cruise.ceiling, self.calibrator.frozen())
 
     @property
     def last_step(self) -> BudgetStep | None:
@@ -596,21 +609,28 @@ class AdaptiveBudget:
 
     def _tokens_within(self, step: BudgetStep) -> dict[int, int]:
         """Tokens the observed step's trees would have made cut to each power of two below its
-        ceiling (and within the widest tree it verified, whose prefixes they are): a best-first
-        tree's first c nodes are the tree ceiling c builds, and its path's nodes inside them
-        (their indices rise along the path) are what that tree accepts, the target's walk and
-        coins being the same up to them; each request adds its bonus (`DraftGate.record_step_ms`).
-        Padded trees only: a packed allocation's rows are not prefixes of one width."""
+        ceiling (`_tokens_within_nodes`; `DraftGate.record_step_ms`)."""
+        return self._tokens_within_nodes(self._ceiling, max(step.num_nodes, default=0), self._accepted_nodes)
+
+    def _tokens_within_nodes(
+        self, ceiling: int, widest_tree: int, accepted_nodes: Sequence[Sequence[int]]
+    ) -> dict[int, int]:
+        """Tokens a step's trees would have made cut to each power of two below `ceiling` (and
+        within `widest_tree`, the most draft nodes a tree verified, whose prefixes they are): a
+        best-first tree's first c nodes are the tree ceiling c builds, and its path's nodes
+        inside them (their indices rise along the path) are what that tree accepts, the target's
+        walk and coins being the same up to them; each request adds its bonus. Padded trees
+        only: a packed allocation's rows are not prefixes of one width."""
         if self.layout != "padded":
             return {}
-        widest = min(self._ceiling - 1, max(step.num_nodes, default=0))
+        widest = min(ceiling - 1, widest_tree)
         ceilings = [c for c in powers_of_two_upto(widest) if c <= widest]
         if not ceilings:
             return {}
         # A few accepted nodes a request: lists, not arrays (on the CI CPU the arrays' sort and
         # search took 60 us of a step's policy time, in a step that does not otherwise use them).
-        accepted = sorted(itertools.chain.from_iterable(self._accepted_nodes))
-        batch_size = len(step.num_nodes)
+        accepted = sorted(itertools.chain.from_iterable(accepted_nodes))
+        batch_size = len(accepted_nodes)
         return {c: bisect.bisect_right(accepted, c) + batch_size for c in ceilings}
 
     def _lessons_are_cheap(self) -> bool:
@@ -628,6 +648,7 @@ class AdaptiveBudget:
         wait) or at the next `observe`, so `plan` decides one step behind, but learns first for the
         first curve and after a probe; `observe` calls it first, so lessons are learned in step
         order."""
+        self._learn_cruise()
         lesson, self._lesson = self._lesson, None
         if lesson is None:
             return
@@ -641,6 +662,15 @@ class AdaptiveBudget:
         started = time.perf_counter()
         self._learn_nodes(lesson, nodes)
         self._lesson_ms = _ema_from_first(self._lesson_ms, 1000.0 * (time.perf_counter() - started))
+
+    def _learn_cruise(self) -> None:
+        """Teach the gate the last whole cruising step's tokens and its prefixes' (`cruised`)."""
+        lesson, self._cruise_lesson = self._cruise_lesson, None
+        if lesson is None:
+            return
+        within = self._tokens_within_nodes(lesson.ceiling, lesson.widest_tree, lesson.accepted_nodes)
+        tokens = sum(len(nodes) for nodes in lesson.accepted_nodes) + lesson.batch_size
+        self.gate.record_cruise_tokens(lesson.batch_size, tokens, within)
 
     def _learn_nodes(self, lesson: "_Lesson", nodes: "_DraftedNodes") -> None:
         """A drafted step's nodes: the gate's curve, the build cost and the calibrator."""
@@ -751,6 +781,16 @@ class _Cruise:
     cap_bucket: int
     steps_left: int
     batch_size: int | None = None  # the batch it holds at exactly (a plain streak's), None: any to its bucket
+
+
+@dataclass(frozen=True)
+class _CruiseLesson:
+    """A whole cruising step's trees as the gate learns them (`AdaptiveBudget.cruised`)."""
+
+    batch_size: int
+    ceiling: int  # the streak's
+    widest_tree: int  # the most draft nodes a tree verified
+    accepted_nodes: Sequence[Sequence[int]]  # per request, root excluded
 
 
 @dataclass(frozen=True)
