@@ -49,6 +49,8 @@ class Decision:
     ceilings: list[int]
     rates: list[float]  # predicted tokens/s over the measured step-time ratio
     step_ms: list[float]  # predicted, before the ratio
+    build_ms: list[float]  # the build's part of step_ms
+    draft_ms: float  # the drafter call's and the drafted step's overhead's part of step_ms
     ratios: list[float]
     tokens: list[float]  # forecast tokens of the step (accepted drafts and bonuses), corrected
     plain_rate: float  # a plain step's predicted tokens/s over its measured step-time ratio
@@ -93,6 +95,8 @@ def hook() -> None:
         plain_ratio = self.residual.ratio(batch_size, 0)
         plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / plain_ratio
         plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
+        nodes_built = np.minimum(np.asarray(caps)[None, :], np.asarray(ceilings)[:, None]).sum(axis=1)
+        build_ms = build.ms(batch_size, nodes_built, np.minimum(ceilings, max(caps)))
         best = int(np.argmax(rates))
         priced_now["decision"] = f"[{plain_rate:.0f}|{ceilings[best]}:{float(rates[best]):.0f}]"
         decisions[batch_bucket(batch_size)].append(
@@ -101,6 +105,8 @@ def hook() -> None:
                 list(ceilings),
                 rates.tolist(),
                 step_ms.tolist(),
+                np.broadcast_to(build_ms, len(ceilings)).tolist(),
+                cost.draft_ms(batch_size) + overhead.drafted_ms,
                 ratios,
                 tokens,
                 plain_rate,
@@ -194,7 +200,10 @@ def report(last: int = 20) -> list[str]:
             rows = [d for d in recent if len(d.ceilings) > j and d.ceilings[j] == ceiling]
             lines.append(
                 f"  ceiling {ceiling:3d}: rate {statistics.mean(d.rates[j] for d in rows):9.1f} tok/s, "
-                f"predicted {statistics.mean(d.step_ms[j] for d in rows):6.2f} ms x ratio "
+                f"predicted {statistics.mean(d.step_ms[j] for d in rows):6.2f} ms "
+                f"(draft {statistics.mean(d.draft_ms for d in rows):4.2f}, "
+                f"build {statistics.mean(d.build_ms[j] for d in rows):4.2f}, forward "
+                f"{statistics.mean(d.step_ms[j] - d.draft_ms - d.build_ms[j] for d in rows):4.2f}) x ratio "
                 f"{statistics.mean(d.ratios[j] for d in rows):4.2f}, "
                 f"forecast {statistics.mean(d.tokens[j] for d in rows):7.2f} tokens"
             )
