@@ -345,7 +345,8 @@ class AdaptiveBudget:
         gate took 16 and 32 in turn, each decision finding the choice's ratio (this prompt's)
         under the other's (the last prompt's). The lesson waits for `learn` (the next verify's,
         on a device), or the next `plan` or `cruised`: taught here, it cost 0.07 ms of a 3.7 ms
-        cruising step at batch 8 on the virtual H100 (`bench/virtual_device.py`)."""
+        cruising step at batch 8 on the virtual H100 (`bench/virtual_device.py`); its array work
+        (the widest tree's `max`) waits too."""
         cruise = self._cruise
         assert cruise is not None, "cruised without a cruise_width"
         cruise.steps_left -= 1
@@ -357,9 +358,8 @@ class AdaptiveBudget:
         accepted = tuple(len(nodes) for nodes in accepted_nodes)
         self._learn_cruise()
         if whole:
-            self._cruise_lesson = _CruiseLesson(
-                trees.batch_size, cruise.ceiling, int(trees.num_nodes.max()) - 1, accepted_nodes
-            )
+            lesson = _CruiseLesson(trees.batch_size, cruise.ceiling, trees.num_nodes, accepted_nodes)
+            self._cruise_lesson = lesson
         # Made when read (`last_step`): the in-process engine reads none, a served one every
         # step, and the record's array work was 50 of a cruising step's 90 us of policy time
         # on the CI CPU at batch 4 (the H100's host spent 0.05 ms a step in `cruised`).
@@ -668,7 +668,8 @@ class AdaptiveBudget:
         lesson, self._cruise_lesson = self._cruise_lesson, None
         if lesson is None:
             return
-        within = self._tokens_within_nodes(lesson.ceiling, lesson.widest_tree, lesson.accepted_nodes)
+        widest_tree = int(lesson.num_nodes.max()) - 1
+        within = self._tokens_within_nodes(lesson.ceiling, widest_tree, lesson.accepted_nodes)
         tokens = sum(len(nodes) for nodes in lesson.accepted_nodes) + lesson.batch_size
         self.gate.record_cruise_tokens(lesson.batch_size, tokens, within)
 
@@ -789,7 +790,7 @@ class _CruiseLesson:
 
     batch_size: int
     ceiling: int  # the streak's
-    widest_tree: int  # the most draft nodes a tree verified
+    num_nodes: np.ndarray  # each tree's verified nodes, root included
     accepted_nodes: Sequence[Sequence[int]]  # per request, root excluded
 
 
