@@ -39,6 +39,7 @@ import budget_sweep  # the sweep this wraps
 
 from ddtree_serve.engine.budget import AdaptiveBudget, DraftGate
 from ddtree_serve.engine.budget.allocator import plain_decode_rate
+from ddtree_serve.engine.budget.draft_gate import _nodes_built
 from ddtree_serve.engine.budget.step_residual import batch_bucket
 from ddtree_serve.engine.spec_engine import SpecEngine
 
@@ -95,8 +96,7 @@ def hook() -> None:
         plain_ratio = self.residual.ratio(batch_size, 0)
         plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / plain_ratio
         plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
-        nodes_built = np.minimum(np.asarray(caps)[None, :], np.asarray(ceilings)[:, None]).sum(axis=1)
-        build_ms = build.ms(batch_size, nodes_built, np.minimum(ceilings, max(caps)))
+        build_ms = build.ms(batch_size, _nodes_built(caps, ceilings), np.minimum(ceilings, max(caps)))
         best = int(np.argmax(rates))
         priced_now["decision"] = f"[{plain_rate:.0f}|{ceilings[best]}:{float(rates[best]):.0f}]"
         decisions[batch_bucket(batch_size)].append(

@@ -502,10 +502,8 @@ class DraftGate:
         self.token_residual.observe(batch_size, ceiling, forecast, tokens)
         self._tokens_ceiling[batch_bucket(batch_size)] = ceiling
         for narrower, made in (tokens_within or {}).items():
-            if narrower_forecasts.get(narrower):
-                self.token_residual.observe(
-                    batch_size, narrower, narrower_forecasts[narrower], made, counterfactual=True
-                )
+            if predicted := narrower_forecasts.get(narrower):
+                self.token_residual.observe(batch_size, narrower, predicted, made, counterfactual=True)
         if tokens_within:
             self.marginal.observe(
                 batch_size, {**tokens_within, ceiling: tokens}, {**narrower_forecasts, ceiling: forecast}

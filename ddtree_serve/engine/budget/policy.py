@@ -358,8 +358,9 @@ class AdaptiveBudget:
         accepted = tuple(len(nodes) for nodes in accepted_nodes)
         self._learn_cruise()
         if whole:
-            lesson = _CruiseLesson(trees.batch_size, cruise.ceiling, trees.num_nodes, accepted_nodes)
-            self._cruise_lesson = lesson
+            self._cruise_lesson = _CruiseLesson(
+                trees.batch_size, cruise.ceiling, trees.num_nodes, accepted_nodes
+            )
         # Made when read (`last_step`): the in-process engine reads none, a served one every
         # step, and the record's array work was 50 of a cruising step's 90 us of policy time
         # on the CI CPU at batch 4 (the H100's host spent 0.05 ms a step in `cruised`).
