@@ -378,12 +378,13 @@ class SpecEngine:
             self._lose_drafter(error)
             self._cruise_step = None  # the step is a plain one now, recorded as such
             return running, None
+        if self.budget_policy is not None and draft.logp.is_cuda:
+            # The last step's lesson while the drafter's kernels run: the top-K copy waits for
+            # them (on the H200 at batch 1 half a millisecond), and the verify, launch-bound
+            # there, hid it only in part. A cruising step's too (the cruise before it): learned
+            # in the verify, it took 0.14 ms of an H100 cruising step's verify at batch 1.
+            self.budget_policy.learn()
         if self.budget_policy is not None and self._cruise_step is None:
-            if draft.logp.is_cuda:
-                # The last step's lesson while the drafter's kernels run: the copy below waits
-                # for them (on the H200 at batch 1 half a millisecond), and the verify, launch-
-                # bound there, hid it only in part.
-                self.budget_policy.learn()
             # The top-K to the host (the build's one copy, made here), so the drafter's time is
             # the draft stage's.
             logp, ids = topk_on_host(draft.logp, draft.ids)
@@ -686,15 +687,16 @@ class SpecEngine:
         accept_tokens = verdict.accept_tokens.tolist()
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
-        if self.budget_policy is not None and trees.host is not None:
+        if self.budget_policy is not None and trees.host is not None and self._cruise_step is not None:
+            # Whole trees' nodes teach the cruise's lesson, which reads them later (`learn`).
+            whole_index = verdict.accept_index.numpy() if self._cruise_step.whole else None
+            self.budget_policy.cruised(trees.host, accept_len, whole_index)
+        elif self.budget_policy is not None and trees.host is not None:
             accepted: list[list[int]] = [[] for _ in accept_len]  # a plain step's (every one empty)
             if any(accept_len):
                 accept_index = verdict.accept_index.tolist()
                 accepted = [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)]
-            if self._cruise_step is not None:
-                self.budget_policy.cruised(trees.host, accepted, self._cruise_step.whole)
-            else:
-                self.budget_policy.observe(trees.host, accepted, trees.batch.padded_num_nodes)
+            self.budget_policy.observe(trees.host, accepted, trees.batch.padded_num_nodes)
         for i, request in enumerate(requests):
             request.num_cached_tokens = verdict.num_cached_tokens[i]
             new_tokens = [*accept_tokens[i][1 : 1 + accept_len[i]], bonus_tokens[i]]

@@ -323,6 +323,12 @@ def test_one_probe_past_the_ceilings_prices_the_wider_ceiling_at_its_gain():
     assert rates[1] > 1.5 * rates[0]
 
 
+def accept_index_of(accepted_nodes: list[list[int]]) -> np.ndarray:
+    """A verdict's accepted node indices, root first, -1 padded, from each request's accepted nodes."""
+    width = 1 + max(len(nodes) for nodes in accepted_nodes)
+    return np.array([[0, *nodes] + [-1] * (width - 1 - len(nodes)) for nodes in accepted_nodes])
+
+
 def random_draft(seed: int, depth: int = 6, k: int = 4, vocab: int = 50):
     """Top-k of random drafter logits: `(logp, ids)` each `[depth, k]`."""
     generator = torch.Generator().manual_seed(seed)
@@ -699,7 +705,7 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
         while (width := cruising.cruise_width(1, 8)) is not None:
             cruised_steps += 1
             draft = random_draft(seed + cruised_steps, depth=6, k=8)
-            cruising.cruised(TreeBatch.from_trees([build_ddtree(*draft, width, root_token=7)]), [[1]])
+            cruising.cruised(TreeBatch.from_trees([build_ddtree(*draft, width, root_token=7)]), [1])
             record = cruising.last_step
             assert record is not None and record is cruising.last_step  # made once, when read
             assert record.drafted and record.num_nodes == (width,) and record.accepted == 1
@@ -770,7 +776,8 @@ def test_a_drafting_cruise_teaches_its_tokens_ratio_from_whole_trees_at_its_batc
     ):
         policy._cruise = _Cruise(ceiling=16, width=width, batch_bucket=2, cap_bucket=16, steps_left=2)
         before = samples()
-        policy.cruised(trees, accepted, whole=whole)
+        counts = [len(nodes) for nodes in accepted]
+        policy.cruised(trees, counts, accept_index_of(accepted) if whole else None)
         policy.learn()  # where the lesson waits (the next verify's, on a device)
         taught.append(samples() > before)
     assert taught == [False, False, False, True]
@@ -791,7 +798,7 @@ def test_a_whole_cruise_step_teaches_the_narrower_ceilings_from_its_trees_prefix
     )
     policy._cruise = _Cruise(ceiling=16, width=8, batch_bucket=2, cap_bucket=16, steps_left=2)
     # Nodes 1 and 1, 3 accepted: cut to 4 nodes the trees keep all three, cut to 2 two of them.
-    policy.cruised(pair, [[1], [1, 3]], whole=True)
+    policy.cruised(pair, [1, 2], accept_index_of([[1], [1, 3]]))
     assert not gate.token_residual._ratios  # taught at the next `learn`, `plan` or `cruised`
     policy.learn()
     ratios = gate.token_residual._ratios

@@ -334,19 +334,23 @@ class AdaptiveBudget:
         """No more cruising steps: the next step plans."""
         self._cruise = None
 
-    def cruised(self, trees: TreeBatch, accepted_nodes: Sequence[Sequence[int]], whole: bool = False) -> None:
+    def cruised(
+        self, trees: TreeBatch, accepted: Sequence[int], accept_index: np.ndarray | None = None
+    ) -> None:
         """Ends a cruising step (`cruise_width`): its verified trees and each one's accepted
-        draft nodes (root excluded); its record (made, and its forecast worked out, when read)
-        is `last_step`. `whole`: no tree was cut below the cruise's width (by a request's end or
-        a graph's width), so the tokens it made teach the streak's tokens ratio, and its trees'
-        prefixes the narrower ceilings' and the marginal gains (`DraftGate.record_cruise_tokens`).
+        draft tokens; its record (made, and its forecast worked out, when read) is `last_step`.
+        `accept_index` (the verdict's [B, 1 + depth] accepted node indices, root first), given
+        when no tree was cut below the cruise's width (by a request's end or a graph's width):
+        the tokens the step made teach the streak's tokens ratio, and its trees' prefixes the
+        narrower ceilings' and the marginal gains (`DraftGate.record_cruise_tokens`).
         Taught at the steps that decide or hold only, a narrower ceiling's ratio was a streak
         older than the choice's: on an H100 at batch 1, where each run is another prompt, the
         gate took 16 and 32 in turn, each decision finding the choice's ratio (this prompt's)
         under the other's (the last prompt's). The lesson waits for `learn` (the next verify's,
         on a device), or the next `plan` or `cruised`: taught here, it cost 0.07 ms of a 3.7 ms
         cruising step at batch 8 on the virtual H100 (`bench/virtual_device.py`); its array work
-        (the widest tree's `max`) waits too."""
+        (the widest tree's `max`, the accepted nodes' lists) waits too: the lists cost the H100's
+        host 0.03 ms of every cruising step at batch 1-2."""
         cruise = self._cruise
         assert cruise is not None, "cruised without a cruise_width"
         cruise.steps_left -= 1
@@ -355,12 +359,10 @@ class AdaptiveBudget:
             zeros = (0,) * trees.batch_size
             self.last_step = BudgetStep(False, zeros, (0.0,) * trees.batch_size, zeros)
             return
-        accepted = tuple(len(nodes) for nodes in accepted_nodes)
+        accepted = tuple(accepted)
         self._learn_cruise()
-        if whole:
-            self._cruise_lesson = _CruiseLesson(
-                trees.batch_size, cruise.ceiling, trees.num_nodes, accepted_nodes
-            )
+        if accept_index is not None:
+            self._cruise_lesson = _CruiseLesson(cruise.ceiling, trees.num_nodes, accepted, accept_index)
         # Made when read (`last_step`): the in-process engine reads none, a served one every
         # step, and the record's array work was 50 of a cruising step's 90 us of policy time
         # on the CI CPU at batch 4 (the H100's host spent 0.05 ms a step in `cruised`).
@@ -670,9 +672,11 @@ class AdaptiveBudget:
         if lesson is None:
             return
         widest_tree = int(lesson.num_nodes.max()) - 1
-        within = self._tokens_within_nodes(lesson.ceiling, widest_tree, lesson.accepted_nodes)
-        tokens = sum(len(nodes) for nodes in lesson.accepted_nodes) + lesson.batch_size
-        self.gate.record_cruise_tokens(lesson.batch_size, tokens, within)
+        rows = lesson.accept_index.tolist()
+        accepted_nodes = [row[1 : 1 + n] for row, n in zip(rows, lesson.accepted, strict=True)]
+        within = self._tokens_within_nodes(lesson.ceiling, widest_tree, accepted_nodes)
+        batch_size = len(lesson.accepted)
+        self.gate.record_cruise_tokens(batch_size, sum(lesson.accepted) + batch_size, within)
 
     def _learn_nodes(self, lesson: "_Lesson", nodes: "_DraftedNodes") -> None:
         """A drafted step's nodes: the gate's curve, the build cost and the calibrator."""
@@ -789,10 +793,10 @@ class _Cruise:
 class _CruiseLesson:
     """A whole cruising step's trees as the gate learns them (`AdaptiveBudget.cruised`)."""
 
-    batch_size: int
     ceiling: int  # the streak's
     num_nodes: np.ndarray  # each tree's verified nodes, root included
-    accepted_nodes: Sequence[Sequence[int]]  # per request, root excluded
+    accepted: tuple[int, ...]  # accepted draft tokens per request
+    accept_index: np.ndarray  # [B, 1 + depth] accepted node indices, root first
 
 
 @dataclass(frozen=True)
