@@ -52,6 +52,7 @@ class StageClock:
 
     def __init__(self) -> None:
         self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.padded_nodes = 0  # the last verify's nodes per tree, padding included
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -100,6 +101,13 @@ def build_engines(
             for call in POLICY_CALLS:
                 clock.wrap(engine.budget_policy, call, f"policy.{call}")
     clock.wrap(target, "verify_and_commit", "target.verify_and_commit")
+    timed_verify = target.verify_and_commit
+
+    def verify_and_commit(inputs: Any) -> Any:  # the padded width a kind's verify ran at
+        clock.padded_nodes = inputs.batch.padded_num_nodes
+        return timed_verify(inputs)
+
+    target.verify_and_commit = verify_and_commit
     clock.wrap(drafter, "draft", "drafter.draft")
     for module in (spec_engine_module, tree_builder_module):  # the adaptive draft's, the build's
         clock.wrap(module, "topk_on_host", "topk_on_host")
@@ -137,7 +145,7 @@ def run_requests(
         if records is not None:
             stages = {k: 1000.0 * (v - before.get(k, 0.0)) for k, v in clock.seconds.items()}
             kind = step_kind(engine, stages, calibrations) + (" finishing" if finishing else "")
-            records.append({"ms": ms, "kind": kind, "stages": stages})
+            records.append({"ms": ms, "kind": kind, "stages": stages, "padded": clock.padded_nodes})
     return steps
 
 
@@ -180,12 +188,15 @@ def summarize(name: str, records: list[dict[str, Any]], slowest: int) -> list[st
     """Mean ms and count per step kind, each kind's mean stages, then the `slowest` steps with
     their largest stages."""
     kinds: dict[str, list[float]] = defaultdict(list)
+    padded: dict[str, list[int]] = defaultdict(list)
     for record in records:
         kinds[record["kind"]].append(record["ms"])
+        padded[record["kind"]].append(record["padded"])
     lines = [
-        f"{name} steps by kind (mean / median ms, count): "
+        f"{name} steps by kind (mean / median ms, count, mean padded nodes a tree): "
         + ", ".join(
-            f"{kind}: {statistics.fmean(ms):.2f} / {statistics.median(ms):.2f} ({len(ms)})"
+            f"{kind}: {statistics.fmean(ms):.2f} / {statistics.median(ms):.2f} ({len(ms)}, "
+            f"{statistics.fmean(padded[kind]):.1f})"
             for kind, ms in sorted(kinds.items())
         )
     ]
