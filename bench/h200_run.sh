@@ -8,7 +8,7 @@
 # graph chain overlap direct sockets local local_chain local_interval local_hops local_profile
 # local_profile_tcp rtt core core_overlap core_interval colocated budget_ab budget_cont
 # budget_heldout budget_cont_heldout arrivals
-# arrivals_ab ttft_ab steps ttft ttft_direct ttft_sockets fake features features_test graphs_test
+# arrivals_ab ttft_ab steps steps_ab ttft ttft_direct ttft_sockets fake features features_test graphs_test
 # startup gate
 # (default: nvidia budget hops serve).
 #
@@ -133,7 +133,16 @@ for stage in "${STAGES[@]}"; do
     ttft) run ttft 240 bash -c "python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 --transport actor_calls \
       && python3 bench/ttft_breakdown.py --device cuda --dtype bfloat16 --transport compiled_graph" ;;
     steps) run steps 240 python3 bench/step_stages.py --device cuda --dtype bfloat16 \
-      --concurrency 1 4 16 64 ;;
+      --budgets 8,32,64 --concurrency 1 4 16 64 ;;
+    steps_ab)  # step stages of base (bench/ab_base.sh, carried) and head on one machine, the
+      # sweep's budgets, where the adaptive engine's host time shows (c = 1-4); eight runs each
+      # (four left 0.1 ms unsettled on an H100 in the thirty-second session)
+      ln -sfn "$PWD/ddtree_serve/bundled" bench/out/base_src/ddtree_serve/bundled
+      for side in base head; do
+        path=$([ "$side" = base ] && echo bench/out/base_src || echo .)
+        PYTHONPATH=$path:/tmp/site run "steps_$side" 200 python3 bench/step_stages.py --device cuda \
+          --dtype bfloat16 --budgets 8,32,64 --concurrency 1 2 4 --runs 8
+      done ;;
     budget256) run budget256 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 256 --max-seq-len 1024 --out-dir /tmp/budget256 --traces /tmp/budget256/traces.json
       cp /tmp/budget256/budget_sweep.json "$OUT/budget256_sweep.json" ;;  # plot it with --replot
