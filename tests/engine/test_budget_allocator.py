@@ -241,6 +241,25 @@ def test_a_plain_streak_decides_again_at_its_probe_or_when_the_batch_changes():
     assert gate.ceiling([8, 8, 8], cheap_drafter, FREE_BUILD, "padded") > 0
 
 
+def test_a_drafting_streak_holds_as_its_batch_drains_and_decides_when_it_grows():
+    """Requests finishing take a drafting streak's batch (and widest cap) into the buckets below
+    its own: it keeps its choice there without deciding, until its recheck; a batch grown past
+    its bucket decides at once."""
+    gate = DraftGate(probe_interval=64)
+    cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
+    gate.ceiling([8] * 4, cheap_drafter, FREE_BUILD, "padded")
+    record_curve(gate, *[CONFIDENT] * 4)
+    choice = gate.ceiling([8] * 4, cheap_drafter, FREE_BUILD, "padded")  # decides: the streak
+    assert choice > 0 and not gate.held
+    gate.drafted_probe_interval = gate.probe_interval  # no probe of its neighbours meanwhile
+    for caps in ([8] * 3, [8] * 2, [4], [2]):  # buckets 4, 2, 1 and a cap in a smaller bucket
+        assert gate.ceiling(caps, cheap_drafter, FREE_BUILD, "padded") == min(choice, max(caps))
+        assert gate.kept or max(caps) < choice  # held, not decided
+        assert gate._streak_batch == 4  # the streak is still the one decided at batch 4
+    gate.ceiling([8] * 8, cheap_drafter, FREE_BUILD, "padded")
+    assert gate._streak_batch == 8 and not gate.held  # grown past its bucket: decided anew
+
+
 def test_the_first_ceiling_is_the_widest_that_costs_a_few_plain_steps():
     flat = linear_curve(fixed_ms=5.0, per_token_ms=0.0, draft_ms=0.5)  # every width costs the same
     assert DraftGate().ceiling([8, 8], flat, FREE_BUILD, "padded") == 8

@@ -330,33 +330,36 @@ def test_a_requests_draft_budget_bounds_its_trees_under_the_adaptive_policy(
         assert any(step.num_nodes[0] == 3 and step.num_nodes[2] == 6 for step in full)
 
 
-def test_a_drafting_cruise_holds_while_its_batch_drains(make_pair_config, prompt_ids, cost_files):
-    """Requests of three lengths finish one by one: a drafting cruise armed at the full batch
-    keeps cruising as the batch falls below its bucket (3 -> 2 -> 1), as a fixed budget keeps its
-    width, and a request at its last token (no draft token to keep) verifies its root only
-    without ending the cruise (that step's trees are cut: it teaches no tokens ratio, where
-    cruising steps of whole trees do). The output stays plain decoding's."""
+def test_a_drafting_streak_holds_while_its_batch_drains(make_pair_config, prompt_ids, cost_files):
+    """Requests of three lengths finish one by one: the drafting streak keeps its choice as the
+    batch falls below its bucket (3 -> 2 -> 1), cruising or held without deciding, as a fixed
+    budget keeps its width; a request at its last token (no draft token to keep) verifies its
+    root only without ending a cruise (that step's trees are cut: it teaches no tokens ratio,
+    where cruising steps of whole trees do). The output stays plain decoding's."""
     engine = gentle_engine(make_pair_config, cost_files)
     policy = engine.budget_policy
     policy.lesson_share = 0.0  # node lessons are dear: settled steps arm cruises
     policy.cost.ema_weight = 0.0  # the file's prices hold: this machine's timings end no streak
-    lengths = (24, 44, 96)
+    lengths = (28, 44, 96)
     add_greedy_requests(engine, prompt_ids, lengths)
     outputs: dict[str, list[int]] = {}
     batches: list[int] = []
     cruised: list[tuple[int, list[int], BudgetStep]] = []  # (step, keepable depths, record)
     whole: list[bool] = []  # per cruising step: its trees uncut (they teach the tokens ratio)
+    held: list[bool] = []  # per step: it kept the streak's choice without deciding
     while engine.has_unfinished_requests():
         batch_size = engine.num_running or engine.num_waiting
         outputs.update({out.request_id: list(out.token_ids) for out in engine.step() if out.finished})
         cruise = engine._cruise_step
+        held.append(cruise is not None or policy.gate.kept)
         if cruise is not None and cruise.width > 0:
             cruised.append((len(batches), list(cruise.keepable), policy.last_step))
             whole.append(cruise.whole)
         batches.append(batch_size)
     assert outputs == plain_decoding(make_pair_config, prompt_ids, lengths)
-    drained = [i for i, _, _ in cruised if i > 0 and batches[i] < batches[i - 1] and batches[i] <= 2]
-    assert drained  # a cruising step right after the batch left the bucket it was armed in
+    drained = [i for i in range(1, len(batches)) if batches[i] < batches[i - 1]]
+    assert len(drained) == 2 and all(held[i] for i in drained)  # each bucket drained into, held
+    assert any(i > drained[0] for i, _, _ in cruised)  # and cruising below the full batch's bucket
     last_tokens = [(depths, record) for _, depths, record in cruised if len(depths) > 1 and min(depths) == 0]
     assert last_tokens
     assert any(whole) and not any(
