@@ -687,16 +687,17 @@ class SpecEngine:
         accept_tokens = verdict.accept_tokens.tolist()
         accept_len = verdict.accept_len.tolist()
         bonus_tokens = verdict.bonus_token.tolist()
-        if self.budget_policy is not None and trees.host is not None and self._cruise_step is not None:
-            # Whole trees' nodes teach the cruise's lesson, which reads them later (`learn`).
-            whole_index = verdict.accept_index.numpy() if self._cruise_step.whole else None
-            self.budget_policy.cruised(trees.host, accept_len, whole_index)
-        elif self.budget_policy is not None and trees.host is not None:
-            accepted: list[list[int]] = [[] for _ in accept_len]  # a plain step's (every one empty)
-            if any(accept_len):
-                accept_index = verdict.accept_index.tolist()
-                accepted = [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)]
-            self.budget_policy.observe(trees.host, accepted, trees.batch.padded_num_nodes)
+        if self.budget_policy is not None and trees.host is not None:
+            if self._cruise_step is not None:
+                # Whole trees' nodes teach the cruise's lesson, which reads them later (`learn`).
+                whole_index = verdict.accept_index.numpy() if self._cruise_step.whole else None
+                self.budget_policy.cruised(trees.host, accept_len, whole_index)
+            else:
+                accepted: list[list[int]] = [[] for _ in accept_len]  # a plain step's (all empty)
+                if any(accept_len):
+                    accept_index = verdict.accept_index.tolist()
+                    accepted = [accept_index[i][1 : 1 + n] for i, n in enumerate(accept_len)]
+                self.budget_policy.observe(trees.host, accepted, trees.batch.padded_num_nodes)
         for i, request in enumerate(requests):
             request.num_cached_tokens = verdict.num_cached_tokens[i]
             new_tokens = [*accept_tokens[i][1 : 1 + accept_len[i]], bonus_tokens[i]]

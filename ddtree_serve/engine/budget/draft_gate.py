@@ -219,7 +219,7 @@ class DraftGate:
         plain_ms, draft_ms = _prices(batch_size, cost, overhead)
         # Requests finishing one by one keep a streak, and so do caps shrinking within their
         # power of two (the engine caps each request at the draft tokens it can still keep); a
-        # drafting streak also keeps through the buckets below its own (`_drained_into`). A
+        # drafting streak also keeps through the buckets below its own (`_in_streak`). A
         # drafting streak's prices are read at the batch it was decided at: they move when the
         # cost curve learns, not when requests finish (its age bounds it). A plain streak's are
         # read at the batch now: a plain step's price falling as the batch drains is what turns
@@ -227,7 +227,7 @@ class DraftGate:
         # away.
         streak = (batch_bucket(batch_size), batch_bucket(cap))
         holds = False
-        if streak == self._streak or self._drained_into(streak):
+        if self._in_streak(streak):
             at_batch = batch_size == self._streak_batch or self._streak_choice == 0
             holds = self._streak_holds(
                 *((plain_ms, draft_ms) if at_batch else _prices(self._streak_batch, cost, overhead))
@@ -319,19 +319,23 @@ class DraftGate:
         self._streak_prices = (plain_ms, draft_ms)
         return chosen
 
-    def _drained_into(self, buckets: tuple[int, int]) -> bool:
-        """Whether a drafting streak's batch and widest cap have drained into these (batch,
-        cap) buckets, below its own: requests finishing, and the ones left near their ends. A
-        closed batch's tail passes through a bucket in a few steps, and deciding in each (on the
+    def _in_streak(self, buckets: tuple[int, int]) -> bool:
+        """Whether a step at these (batch, widest cap) buckets belongs to the streak under way:
+        its own buckets, or for a drafting streak the ones below them its batch drained into
+        (requests finishing, and the ones left near their ends). A closed batch's tail passes
+        through a bucket in a few steps, and deciding in each (on the
         virtual H100 at c = 16, `32N 16 32 32` as the batch fell through buckets 8, 4 and 2,
         each 0.3-0.5 ms over a cruising step) cost more than the wider trees it found for the
         requests left: held, c = 16 rose from 0.940 to 0.965 of the best fixed budget there
         (means of six paired sweeps; c = 2-8 within their noise). The streak decides again at
         its recheck or its probe, at the batch then, as a drafting cruise does when its batch
         drains."""
-        if self._streak is None or self._streak_choice == 0:
+        streak = self._streak
+        if streak is None:
             return False
-        return buckets[0] <= self._streak[0] and buckets[1] <= self._streak[1]
+        if buckets == streak:
+            return True
+        return self._streak_choice > 0 and buckets[0] <= streak[0] and buckets[1] <= streak[1]
 
     def steps_held_ahead(self) -> int:
         """Steps after this one that keep the drafting streak's choice without deciding, as
