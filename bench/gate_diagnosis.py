@@ -2,7 +2,7 @@
 
 Runs `budget_sweep.py` (same arguments) with the policy's decisions recorded: at each decision
 of the gate, per candidate ceiling, its predicted rate (over its measured step-time ratio), its
-predicted step milliseconds, that ratio and the forecast tokens of the step; and per adaptive
+predicted step milliseconds, that ratio and the tokens it priced the step at; and per adaptive
 step, kept by (batch bucket, ceiling), the tokens it made, the tokens its allocation forecast,
 its wall time and whether it was settled. Then the gate's marginal gains, the calibrator's
 bins and the gate's curve, raw and calibrated. A forecast that prices the wider ceilings' nodes
@@ -53,7 +53,9 @@ class Decision:
     build_ms: list[float]  # the build's part of step_ms
     draft_ms: float  # the drafter call's and the drafted step's overhead's part of step_ms
     ratios: list[float]
-    tokens: list[float]  # forecast tokens of the step (accepted drafts and bonuses), corrected
+    # Tokens of the step (accepted drafts and bonuses) as the gate priced them: a ceiling wider
+    # than the taken one at the taken one's plus its further nodes' gain, not at its own ratio.
+    tokens: list[float]
     plain_rate: float  # a plain step's predicted tokens/s over its measured step-time ratio
     plain_ms: float  # a plain step's predicted ms, before its ratio
     plain_ratio: float
@@ -91,8 +93,7 @@ def hook() -> None:
         )
         batch_size = len(caps)
         ratios = [self.residual.ratio(batch_size, c) for c in ceilings]
-        token_ratios = [self.token_residual.ratio(batch_size, c) for c in ceilings]
-        tokens = (forecast * np.asarray(token_ratios)).tolist()
+        tokens = (rates * step_ms * np.asarray(ratios) / 1000.0).tolist()  # what the rate was made of
         plain_ratio = self.residual.ratio(batch_size, 0)
         plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / plain_ratio
         plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
