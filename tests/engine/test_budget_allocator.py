@@ -671,6 +671,49 @@ def test_a_settled_streak_keeps_its_trees_whole_without_weighing_widths(monkeypa
     assert not any(r["settled"] for r in records[:EARLY_CALIBRATIONS])
 
 
+def test_the_step_after_a_neighbour_probe_resumes_its_streak_settled(monkeypatch):
+    """A probe of the choice's neighbours weighs its own trees, but the streak it resumes keeps
+    its choice's weighing: the next step holds the choice settled, unweighed, at the width its
+    last weighing took (before, it weighed again, and only the step after settled). One request,
+    the same draft each step, the target accepting its tree's deepest path as far as the
+    verified nodes reach: nodes are free, so the cap wins, and the probes look below it."""
+    weighed = count_weighings(monkeypatch)
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
+    tree = build_ddtree(*random_draft(3, depth=6, k=8), 8, root_token=7)
+    deepest, path = int(np.argmax(tree.depths)), []
+    while deepest > 0:
+        path.append(deepest)
+        deepest = int(tree.parents[deepest])
+    path.reverse()
+    trees = TreeBatch.from_trees([tree])
+    steps = []  # (ceiling, probe, kept, settled, weighed)
+    for _ in range(EARLY_CALIBRATIONS + 60):
+        ceiling = policy.plan([8])
+        gate = policy.gate
+        probe, kept, settled = gate.probing_neighbour, gate.kept, policy.settled
+        policy.record_draft_ms(1.0)
+        weighed.clear()
+        allocation = policy.choose(trees.prefix([ceiling]), [8])
+        verified = allocation.num_nodes[0]
+        accepted = list(itertools.takewhile(lambda node, n=verified: node <= n, path))
+        policy.record_verify_ms(4.0)
+        policy.observe(trees.prefix([verified]), [accepted])
+        policy.record_step_ms(5.0)
+        steps.append((ceiling, probe, kept, settled, bool(weighed)))
+    resumed = [  # the step after each probe that resumed the choice held before it
+        after
+        for before, probe, after in zip(
+            steps[EARLY_CALIBRATIONS:],
+            steps[EARLY_CALIBRATIONS + 1 :],
+            steps[EARLY_CALIBRATIONS + 2 :],
+            strict=False,
+        )
+        if probe[1] and after[2] and after[0] == before[0]
+    ]
+    assert len(resumed) >= 2 and all(ceiling == 8 for ceiling, *_ in resumed)
+    assert all(settled and not weighed for _, _, _, settled, weighed in resumed)
+
+
 def finish_step(policy: AdaptiveBudget, ceiling: int, seed: int) -> None:
     """The rest of a planned drafted step of one request at cap 8 (`run_streak`'s timings)."""
     tree = TreeBatch.from_trees([build_ddtree(*random_draft(seed, depth=6, k=8), 8, root_token=7)])
@@ -760,7 +803,7 @@ def test_a_request_at_its_last_token_leaves_the_others_weighing_and_settled_widt
         weighings.clear()
         allocation = policy.choose(built, [min(8, ceiling), 0])
         assert allocation.num_nodes[1] == 0
-        if weighings:
+        if weighings and not policy.gate.probing_neighbour:  # a neighbour probe's weighing is its own
             assert policy._weighed == (ceiling, ceiling)  # nodes are free: whole trees
         elif policy.settled:
             settled_unweighed += 1

@@ -218,8 +218,9 @@ class AdaptiveBudget:
         self._num_calibrations = 0
         self._learning = True  # this step drafts to teach the calibrator (`LEARNING_STEPS`)
         self._num_drafted_steps = 0  # observed, for `NODE_LESSON_INTERVAL` and `SETTLED_LESSON_INTERVAL`
-        # (ceiling, width) of the last weighing of widths (None: none, or caps or captured
-        # graphs cut it): a held streak's steps at that ceiling are `settled` at that width.
+        # (ceiling, width) of the last weighing of widths but a neighbour probe's (None: none, or
+        # caps or captured graphs cut it): a held streak's steps at that ceiling are `settled`
+        # at that width.
         self._weighed: tuple[int, int] | None = None
         self.settled = False  # this step takes the last weighing's width without weighing
         # Host ms of this step's `plan` and `choose`, and of `choose` (module docstring: deciding time).
@@ -485,7 +486,13 @@ class AdaptiveBudget:
             # Every request takes min(width, its nodes): a cut row's count is the width.
             kept_whole = np.array_equal(self._allocation.num_nodes, lengths)
             width = self._ceiling if kept_whole else max(self._allocation.num_nodes)
-            self._weighed = (self._ceiling, width) if uncut else None
+            if not self.gate.probing_neighbour:
+                # A neighbour probe's weighing is its own: the streak it resumes keeps its
+                # choice's, so the step after the probe is settled and may arm its cruise at
+                # once. Taking the probe's, it weighed again, and only the step after armed it:
+                # on an H100 at c = 1-2 each probe was followed by a step that weighed (0.28 ms
+                # over a cruise) and a settled one (0.22 ms), every 17 steps.
+                self._weighed = (self._ceiling, width) if uncut else None
         else:
             accept_probs = [row[:length] for row, length in zip(calibrated, lengths.tolist(), strict=True)]
             self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
