@@ -19,8 +19,13 @@ level where the gate drafts through every run while the sweep's `ar` beats its f
 
 The records hook the policy's methods from outside (the engine has no such hooks: their calls
 would cost every step), so this is a diagnostic, not a benchmark: its timings carry the hooks.
+They can change what the gate chooses. On an H200 at continuous c = 1, the sweep alone took
+ceilings 16 and 32 for four fifths of its steps (0.89 of the best fixed budget, twice). Under
+the hooks it took 64 for 69% (0.95). `--choices-only` keeps the choices and nothing else: no
+prices in brackets, no report.
 
     python bench/gate_diagnosis.py --device cuda --dtype bfloat16 --concurrency 1,16,64
+    python bench/gate_diagnosis.py --choices-only --device cuda --dtype bfloat16 --concurrency 1
 """
 
 import statistics
@@ -77,8 +82,9 @@ steps: dict[tuple[int, int], list[StepRecord]] = defaultdict(list)
 policies: list[AdaptiveBudget] = []
 
 
-def hook() -> None:
-    """Wrap the gate's candidate pricing and the policy's observe/record to keep the records."""
+def hook(choices_only: bool = False) -> None:
+    """Wrap the gate's candidate pricing and the policy's observe/record to keep the records;
+    `choices_only`: the gate's choice and the cruise alone (each run's choices)."""
     drafted_ceilings = DraftGate._drafted_ceilings
     observe, record_step_ms = AdaptiveBudget.observe, AdaptiveBudget.record_step_ms
     init = AdaptiveBudget.__init__
@@ -176,10 +182,12 @@ def hook() -> None:
         fixed_steps[(name, batch_bucket(batch_size))].append((sum(o.num_new_tokens for o in outputs), ms))
         return outputs
 
-    SpecEngine.step = stepped  # type: ignore[method-assign]
     DraftGate.ceiling = chose  # type: ignore[method-assign]
     AdaptiveBudget.cruised = cruised_step  # type: ignore[method-assign]
     budget_sweep.tokens_per_s = timed_run
+    if choices_only:
+        return
+    SpecEngine.step = stepped  # type: ignore[method-assign]
     DraftGate._drafted_ceilings = priced  # type: ignore[method-assign]
     AdaptiveBudget.observe = observed  # type: ignore[method-assign]
     AdaptiveBudget.record_step_ms = recorded  # type: ignore[method-assign]
@@ -262,9 +270,15 @@ def _calibration(policy: AdaptiveBudget) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    hook()
-    budget_sweep.main(list(argv) if argv is not None else None)
-    print("\n".join(report()))
+    """`budget_sweep.py`'s arguments, and `--choices-only` (module docstring)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    choices_only = "--choices-only" in args
+    if "-h" in args or "--help" in args:
+        print("gate_diagnosis.py [--choices-only: the choices alone] BUDGET_SWEEP_ARGUMENTS\n")
+    hook(choices_only)
+    budget_sweep.main([a for a in args if a != "--choices-only"])
+    if not choices_only:
+        print("\n".join(report()))
 
 
 if __name__ == "__main__":
