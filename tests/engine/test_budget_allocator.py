@@ -17,6 +17,7 @@ from ddtree_serve.engine.budget import (
     CostCurve,
     DraftGate,
     allocate,
+    draft_gate,
     plain_decode_rate,
 )
 from ddtree_serve.engine.budget.allocator import TRIM_MIN_GAIN, allocate_padded_rows, ceiling_rates
@@ -186,8 +187,9 @@ def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
     assert plain_decode_rate(2, costly_drafter) > 0
     ceilings = [gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") for _ in range(30)]
     # A probe after 4 narrow steps (the first counts), then after 8, then 16: each found a loss.
-    # (At ceiling 4: ceiling 8 would keep its trees whole, within the trim margin but below.)
-    assert [i for i, c in enumerate(ceilings) if c] == [3, 12, 29] and set(ceilings) == {0, 4}
+    # (At ceiling 8: its rate within `NEAR_BEST_RATE` of 4's, the best, and its step, the
+    # drafter's 20 ms with a few more tree tokens, within `NEAR_BEST_MS`.)
+    assert [i for i, c in enumerate(ceilings) if c] == [3, 12, 29] and set(ceilings) == {0, 8}
     cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
     record_curve(gate, CONFIDENT, CONFIDENT)
     assert gate.ceiling([8, 8], cheap_drafter, FREE_BUILD, "padded") > 0
@@ -283,6 +285,25 @@ def test_a_costly_build_narrows_the_ceiling_and_probes_look_both_ways():
     # Probes look both ways: twice as wide (the curve past the choice stays known) and narrower
     # (so does the narrower ceiling's step time), and nothing else is ever built.
     assert set(ceilings) == {narrow // 2, narrow, 2 * narrow}
+
+
+def test_where_width_is_nearly_free_the_widest_ceiling_near_the_best_rate_is_taken(monkeypatch):
+    """Nodes past 32 are forecast to gain little: at a few percent more step time, 64's
+    predicted rate is a little under 32's, the argmax. The gate takes 64 (its steps teach 32's
+    tokens from their prefixes, where 32's would never see past themselves); where building the
+    wider tree costs a quarter more, it keeps 32."""
+    confident_then_unlikely = np.concatenate((np.full(32, 0.5), np.full(32, 0.001)))
+    verify = linear_curve(fixed_ms=4.0, per_token_ms=0.005, draft_ms=1.0)
+    free, dear = BuildCost(0.0, 0.0, per_node_ms=0.001), BuildCost(0.0, 0.0, per_node_ms=0.05)
+
+    def choice(build: BuildCost) -> int:
+        gate = DraftGate(probe_interval=1024)
+        record_curve(gate, confident_then_unlikely)
+        return gate.ceiling([64], verify, build, "padded")
+
+    assert (choice(free), choice(dear)) == (64, 32)
+    monkeypatch.setattr(draft_gate, "NEAR_BEST_RATE", 0.0)  # the best rate alone
+    assert (choice(free), choice(dear)) == (32, 32)
 
 
 def test_a_wider_probe_is_made_only_at_a_bounded_price():
@@ -959,7 +980,7 @@ def test_only_unsettled_steps_and_node_lessons_teach_the_cost_curve(monkeypatch)
         return step
 
     monkeypatch.setattr(policy, "observe", recording_observe)
-    records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 40, cost_per_node=0.0)
+    records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 60, cost_per_node=0.0)
     settled = lessons[True, False] + lessons[True, True]
     assert len(settled) == sum(r["settled"] for r in records) > 10
     assert not any(lessons[True, False]) and lessons[True, True] and all(lessons[True, True])

@@ -4,7 +4,8 @@ The ceiling is paid before the allocator sees a tree: the drafter's top-K and th
 both scale with it (`build_cost.py`). The gate predicts each candidate ceiling's rate from the
 recent acceptance curve as if every running request had that curve, with the drafter's call,
 that ceiling's build and the verify forward as the step's cost; ceiling 0 is a plain decode step
-(no drafter call, root-only trees). The best one wins. The first step, with no curve yet, takes
+(no drafter call, root-only trees). The best one wins (among drafting ceilings, the widest within a
+few percent of it where width is nearly free: `NEAR_BEST_RATE`). The first step, with no curve yet, takes
 the widest ceiling that costs at most a few plain steps. Each candidate's predicted rate is
 divided by the measured-over-predicted step time of its ceiling (`step_residual.py`), so what
 the models leave out is judged by what steps took, and multiplied by the tokens its steps made
@@ -105,6 +106,29 @@ measured ratio) at most this many times the choice's; else the probe goes narrow
 at c = 64 a wider probe of ceiling 32 built 64-node trees for 64 requests, 25 ms against a 10 ms
 step: each such probe cost one and a half steps, a few percent of the run's rate for a width
 that cannot win there (it would need 2.5x the tokens a step)."""
+
+
+NEAR_BEST_RATE = 0.05
+"""The drafting choice is the widest ceiling predicted within this share of the best rate whose
+step is measured at most `NEAR_BEST_MS` dearer. A wider tree's prefixes are the narrower
+trees, so its steps teach every narrower ceiling's tokens on the same text; a narrower choice
+sees past itself only at its wider probes, one step in 32, and prices them below their worth:
+- at batch 1 the nodes past 32 gain a token in a few steps of many, so the probes mostly see
+  none (an H100 closed sweep at c = 1 forecast them 0.15 tokens a step where fixed-64 made 0.54
+  over fixed-32);
+- a probe is a step that decides, weighs and teaches its nodes, so its ceiling's measured
+  step-time ratio came out at 1.11 against the cruising choice's 1.07.
+So where width is nearly free the argmax held whole levels at 32: on an H100, 7 of 30 closed
+level runs at c = 1-4 made exactly fixed-32's tokens (0.85-0.91 of fixed-64, the best there; a
+diagnosed one priced 64 3.5% under 32 in its last decision), and so did the H200's continuous
+c = 1 (0.89 twice). Taking the widest near the best, 2 of 12 did, and closed c = 1 rose from 0.90
+to 0.93 (four paired sweeps; c = 2-4 and continuous c = 1-4 even: `budget_sweep_h200.md`)."""
+
+NEAR_BEST_MS = 0.10
+"""... a share of the best candidate's measured step time (`NEAR_BEST_RATE`): on the H100 the
+probed 64 measured 3-8% over 32 at batch 1-2 (fixed-64's steps: 4-6%). Where width is dear
+(the CI CPU, where 64's step is 1.2x 32's at batch 1, and 32's 1.16x 8's) the narrower choice
+stands: there a wider step's extra time is what the rates compare."""
 
 
 PROBE_TURNS = ("wider", "narrower", "plain")
@@ -264,7 +288,7 @@ class DraftGate:
             )
             predicted_ms = dict(zip(candidates, step_ms.tolist(), strict=True))
             predicted_tokens = dict(zip(candidates, tokens.tolist(), strict=True))
-            pick = int(np.argmax(rates))  # the first (narrowest) of equal rates
+            pick = self._widest_near_best(candidates, rates, step_ms, batch_size)
             drafted, drafted_rate = candidates[pick], float(rates[pick])
             plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / self.residual.ratio(
                 batch_size, 0
@@ -576,6 +600,20 @@ class DraftGate:
             corrected[i] = corrected[i - 1] + self.marginal.ratio(batch_size, candidates[i]) * gain
         took_ratios = np.array([took.ratio(batch_size, c) for c in candidates])
         return candidates, 1000.0 * corrected / step_ms / took_ratios, step_ms, tokens
+
+    def _widest_near_best(
+        self, candidates: Sequence[int], rates: np.ndarray, step_ms: np.ndarray, batch_size: int
+    ) -> int:
+        """The index of the drafting choice: the best predicted rate (the narrowest of equal
+        ones), or the widest candidate within `NEAR_BEST_RATE` of it whose step is measured at
+        most `NEAR_BEST_MS` dearer (`step_ms`: the models' predictions, before the measured
+        ratios)."""
+        measured_ms = step_ms * np.array([self.residual.ratio(batch_size, c) for c in candidates])
+        pick = int(np.argmax(rates))
+        near = (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick]) & (
+            measured_ms <= (1.0 + NEAR_BEST_MS) * measured_ms[pick]
+        )
+        return max(pick, int(np.flatnonzero(near)[-1]))
 
     @staticmethod
     def _first_ceiling(caps: Sequence[int], cost: StepCost, build: BuildCost, overhead: StepOverhead) -> int:
