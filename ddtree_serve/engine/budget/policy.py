@@ -97,6 +97,14 @@ are that cheap, one step in `NODE_LESSON_INTERVAL` only starved the calibrator, 
 forecast the first nodes of a tree at 0.7 where they were accepted 0.9 of the time, so the
 gate took ceiling 32 at c = 1 where 8 wins (the CPU's drafter is dear)."""
 
+CRUISE_LESSON_BATCH = 8
+"""A drafting cruise's steps teach the gate their tokens this many at a time (`learn`): the gate
+reads what they teach only when it decides, and `plan` teaches any still waiting first. One at a
+time, each step's lesson ran cold after the step's other work: on an H100 `learn` took
+0.083 ms of a cruising step at batch 1 and 0.070 at batch 2 (2-3% of a launch-bound step, whose
+host time is its time), and 0.021 and 0.036 taught eight at a time (`bench/step_stages.py`, one
+run each)."""
+
 PLAIN_CRUISE_STEPS = 8
 """A plain streak's steps run unasked (`AdaptiveBudget.cruise_width`) at most this many in a row:
 the next one decides, learns its verify's time and teaches the plain step's ratio. On the CI CPU
@@ -196,8 +204,8 @@ class AdaptiveBudget:
         # A drafting cruise's step, its record not yet made (`cruised`): trees, accepted draft
         # tokens per request, ceiling and the calibration then.
         self._cruise_record: tuple[TreeBatch, tuple[int, ...], int, Callable] | None = None
-        # A whole cruising step's trees, not yet taught to the gate (`_learn_cruise`).
-        self._cruise_lesson: _CruiseLesson | None = None
+        # Whole cruising steps' trees, not yet taught to the gate (`_learn_cruise`).
+        self._cruise_lessons: list[_CruiseLesson] = []
         self._ceiling = 0
         self._draft_ms: float | None = None
         self._build_ms: float | None = None
@@ -348,7 +356,8 @@ class AdaptiveBudget:
         older than the choice's: on an H100 at batch 1, where each run is another prompt, the
         gate took 16 and 32 in turn, each decision finding the choice's ratio (this prompt's)
         under the other's (the last prompt's). The lesson waits for `learn` (the next verify's,
-        on a device), or the next `plan` or `cruised`: taught here, it cost 0.07 ms of a 3.7 ms
+        on a device), which teaches a cruise's lessons `CRUISE_LESSON_BATCH` at a time and the
+        rest once the cruise ends, or for the next `plan`: taught here, it cost 0.07 ms of a 3.7 ms
         cruising step at batch 8 on the virtual H100 (`bench/virtual_device.py`); its array work
         (the widest tree's `max`, the accepted nodes' lists) waits too: the lists cost the H100's
         host 0.03 ms of every cruising step at batch 1-2."""
@@ -361,9 +370,9 @@ class AdaptiveBudget:
             self.last_step = BudgetStep(False, zeros, (0.0,) * trees.batch_size, zeros)
             return
         accepted = tuple(accepted)
-        self._learn_cruise()
         if accept_index is not None:
-            self._cruise_lesson = _CruiseLesson(cruise.ceiling, trees.num_nodes, accepted, accept_index)
+            lesson = _CruiseLesson(cruise.ceiling, trees.num_nodes, accepted, accept_index)
+            self._cruise_lessons.append(lesson)
         # Made when read (`last_step`): the in-process engine reads none, a served one every
         # step, and the record's array work was 50 of a cruising step's 90 us of policy time
         # on the CI CPU at batch 4 (the H100's host spent 0.05 ms a step in `cruised`).
@@ -650,15 +659,17 @@ class AdaptiveBudget:
 
     def learn(self) -> None:
         """Apply the last observed step's lesson, if it is still pending: the cost curve and the
-        build cost from its timings, the calibrator from its verified nodes. The engine calls it
-        while the device computes: with a CUDA draft, between the drafter's launch and the copy
-        of its top-K (lessons come one drafted step in `NODE_LESSON_INTERVAL`, so its mean is
-        under a tenth of a millisecond on the H200's host; the verify, launch-bound at small
-        batches, hid it only in part), else during the next step's verify (an `AsyncDeviceTarget`'s
-        wait) or at the next `observe`, so `plan` decides one step behind, but learns first for the
-        first curve and after a probe; `observe` calls it first, so lessons are learned in step
-        order."""
-        self._learn_cruise()
+        build cost from its timings, the calibrator from its verified nodes; and a drafting
+        cruise's waiting lessons, once `CRUISE_LESSON_BATCH` of them wait or the cruise is over.
+        The engine calls it while the device computes: with a CUDA draft, between the drafter's
+        launch and the copy of its top-K (lessons come one drafted step in
+        `NODE_LESSON_INTERVAL`, so its mean is under a tenth of a millisecond on the H200's host;
+        the verify, launch-bound at small batches, hid it only in part), else during the next
+        step's verify (an `AsyncDeviceTarget`'s wait) or at the next `observe`, so `plan` decides
+        one step behind, but learns first for the first curve and after a probe; `observe` calls
+        it first, so lessons are learned in step order."""
+        if not self.cruising or len(self._cruise_lessons) >= CRUISE_LESSON_BATCH:
+            self._learn_cruise()
         lesson, self._lesson = self._lesson, None
         if lesson is None:
             return
@@ -674,16 +685,16 @@ class AdaptiveBudget:
         self._lesson_ms = _ema_from_first(self._lesson_ms, 1000.0 * (time.perf_counter() - started))
 
     def _learn_cruise(self) -> None:
-        """Teach the gate the last whole cruising step's tokens and its prefixes' (`cruised`)."""
-        lesson, self._cruise_lesson = self._cruise_lesson, None
-        if lesson is None:
-            return
-        widest_tree = int(lesson.num_nodes.max()) - 1
-        rows = lesson.accept_index.tolist()
-        accepted_nodes = [row[1 : 1 + n] for row, n in zip(rows, lesson.accepted, strict=True)]
-        within = self._tokens_within_nodes(lesson.ceiling, widest_tree, accepted_nodes)
-        batch_size = len(lesson.accepted)
-        self.gate.record_cruise_tokens(batch_size, sum(lesson.accepted) + batch_size, within)
+        """Teach the gate the waiting whole cruising steps' tokens and their prefixes', in step
+        order (`cruised`)."""
+        lessons, self._cruise_lessons = self._cruise_lessons, []
+        for lesson in lessons:
+            widest_tree = int(lesson.num_nodes.max()) - 1
+            rows = lesson.accept_index.tolist()
+            accepted_nodes = [row[1 : 1 + n] for row, n in zip(rows, lesson.accepted, strict=True)]
+            within = self._tokens_within_nodes(lesson.ceiling, widest_tree, accepted_nodes)
+            batch_size = len(lesson.accepted)
+            self.gate.record_cruise_tokens(batch_size, sum(lesson.accepted) + batch_size, within)
 
     def _learn_nodes(self, lesson: "_Lesson", nodes: "_DraftedNodes") -> None:
         """A drafted step's nodes: the gate's curve, the build cost and the calibrator."""
