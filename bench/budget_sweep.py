@@ -493,6 +493,29 @@ def _paired_line(row: dict, runs: dict[str, list[float]]) -> str:
     )
 
 
+HELD_TOKENS_SHARE = 0.02
+"""How near a fixed budget's tokens a step the adaptive runs' must be to read as held at it."""
+
+
+def _held_at(steps: dict[str, dict]) -> str | None:
+    """The one fixed budget whose tokens a step the adaptive runs made within
+    `HELD_TOKENS_SHARE` (None: none, or several). The sweep decodes greedily, so a
+    configuration's tokens a step are its trees' alone: a level the gate ran at one ceiling
+    but for its probes makes about that fixed budget's tokens. An H100's misses at c = 1-4 were
+    mostly levels held at 32 (4.00-4.03 tokens a step where fixed-32 made 4.00 and fixed-64
+    4.57); the ceiling shares, which count the probes and decisions too, hid it."""
+    adaptive = steps.get("adaptive")
+    if adaptive is None:
+        return None
+    made = adaptive["tokens_per_step"]
+    held = [
+        name
+        for name, fixed in steps.items()
+        if name.startswith("ddtree-") and abs(fixed["tokens_per_step"] - made) <= HELD_TOKENS_SHARE * made
+    ]
+    return held[0] if len(held) == 1 else None
+
+
 def _steps_line(steps: dict[str, dict]) -> str:
     """Tokens and milliseconds per engine step of each configuration, and the adaptive ceilings."""
     parts = [
@@ -503,6 +526,8 @@ def _steps_line(steps: dict[str, dict]) -> str:
     adaptive = steps.get("adaptive", {})
     ceilings = ", ".join(f"{c}: {share:.0%}" for c, share in adaptive.get("ceiling_share", {}).items())
     line = "  per step: " + "; ".join(parts) + (f"; adaptive ceilings {ceilings}" if ceilings else "")
+    if held := _held_at(steps):
+        line += f"; adaptive made {held}'s tokens a step (within {HELD_TOKENS_SHARE:.0%})"
     if "nodes_per_drafted_request" in adaptive:
         line += (
             f"; per drafted request {adaptive['nodes_per_drafted_request']:.1f} nodes verified, "
