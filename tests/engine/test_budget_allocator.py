@@ -188,9 +188,9 @@ def test_gate_skips_the_drafter_when_drafting_is_a_loss_and_probes_back():
     assert plain_decode_rate(2, costly_drafter) > 0
     ceilings = [gate.ceiling([8, 8], costly_drafter, FREE_BUILD, "padded") for _ in range(30)]
     # A probe after 4 narrow steps (the first counts), then after 8, then 16: each found a loss.
-    # (At ceiling 8: its rate within `NEAR_BEST_RATE` of 4's, the best, and its step, the
-    # drafter's 20 ms with a few more tree tokens, within `NEAR_BEST_MS`.)
-    assert [i for i, c in enumerate(ceilings) if c] == [3, 12, 29] and set(ceilings) == {0, 8}
+    # (At ceiling 4, the best drafting rate: 8 is near it, but a wider choice must beat a plain
+    # step, and no drafting ceiling does here.)
+    assert [i for i, c in enumerate(ceilings) if c] == [3, 12, 29] and set(ceilings) == {0, 4}
     cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
     record_curve(gate, CONFIDENT, CONFIDENT)
     assert gate.ceiling([8, 8], cheap_drafter, FREE_BUILD, "padded") > 0
@@ -305,6 +305,19 @@ def test_where_width_is_nearly_free_the_widest_ceiling_near_the_best_rate_is_tak
     assert (choice(free), choice(dear)) == (64, 32)
     monkeypatch.setattr(draft_gate, "NEAR_BEST_RATE", 0.0)  # the best rate alone
     assert (choice(free), choice(dear)) == (32, 32)
+
+
+def test_drafting_is_judged_by_its_best_rate_and_the_wider_choice_still_beats_a_plain_step(monkeypatch):
+    """Ceiling 4 beats a plain step by 3%; 8 is within `NEAR_BEST_RATE` of it at the same step
+    time but under a plain step. The gate drafts, at 4: judged by 8's rate it decoded plainly."""
+    cost = linear_curve(fixed_ms=4.0, per_token_ms=0.0, draft_ms=1.0)
+    plain = plain_decode_rate(1, cost)
+    shares = np.array([0.5, 0.8, 1.03, 0.99])
+    gate = DraftGate(probe_interval=1024)
+    record_curve(gate, CONFIDENT)
+    stub = ([1, 2, 4, 8], shares * plain, np.full(4, 5.0), np.full(4, 3.0))
+    monkeypatch.setattr(gate, "_drafted_ceilings", lambda *args: stub)
+    assert gate.ceiling([8], cost, FREE_BUILD, "padded") == 4
 
 
 def test_a_wider_probe_is_made_only_at_a_bounded_price():

@@ -288,11 +288,13 @@ class DraftGate:
             )
             predicted_ms = dict(zip(candidates, step_ms.tolist(), strict=True))
             predicted_tokens = dict(zip(candidates, tokens.tolist(), strict=True))
-            pick = self._widest_near_best(candidates, rates, step_ms, batch_size)
-            drafted, drafted_rate = candidates[pick], float(rates[pick])
             plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / self.residual.ratio(
                 batch_size, 0
             )
+            # Drafting is judged by its best rate; the choice is the widest near it that still
+            # beats a plain step.
+            drafted_rate = float(np.max(rates))
+            drafted = candidates[self._widest_near_best(candidates, rates, step_ms, batch_size, plain_rate)]
             best = drafted if drafted_rate > plain_rate or learning else 0
             plain_close = drafted_rate <= PLAIN_PROBE_MAX_GAIN * plain_rate
         predicted_ms[0], predicted_tokens[0] = plain_ms, float(batch_size)
@@ -602,18 +604,26 @@ class DraftGate:
         return candidates, 1000.0 * corrected / step_ms / took_ratios, step_ms, tokens
 
     def _widest_near_best(
-        self, candidates: Sequence[int], rates: np.ndarray, step_ms: np.ndarray, batch_size: int
+        self,
+        candidates: Sequence[int],
+        rates: np.ndarray,
+        step_ms: np.ndarray,
+        batch_size: int,
+        plain_rate: float,
     ) -> int:
         """The index of the drafting choice: the best predicted rate (the narrowest of equal
-        ones), or the widest candidate within `NEAR_BEST_RATE` of it whose step is measured at
-        most `NEAR_BEST_MS` dearer (`step_ms`: the models' predictions, before the measured
-        ratios)."""
+        ones), or the widest candidate within `NEAR_BEST_RATE` of it, above `plain_rate`, whose
+        step is measured at most `NEAR_BEST_MS` dearer (`step_ms`: the models' predictions,
+        before the measured ratios)."""
         measured_ms = step_ms * np.array([self.residual.ratio(batch_size, c) for c in candidates])
         pick = int(np.argmax(rates))
-        near = (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick]) & (
-            measured_ms <= (1.0 + NEAR_BEST_MS) * measured_ms[pick]
+        near = (
+            (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick])
+            & (rates > plain_rate)
+            & (measured_ms <= (1.0 + NEAR_BEST_MS) * measured_ms[pick])
         )
-        return max(pick, int(np.flatnonzero(near)[-1]))
+        near[pick] = True  # the best itself, whatever its rate (a NaN compares false)
+        return int(np.flatnonzero(near)[-1])
 
     @staticmethod
     def _first_ceiling(caps: Sequence[int], cost: StepCost, build: BuildCost, overhead: StepOverhead) -> int:
