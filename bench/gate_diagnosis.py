@@ -19,9 +19,9 @@ level where the gate drafts through every run while the sweep's `ar` beats its f
 
 The records hook the policy's methods from outside (the engine has no such hooks: their calls
 would cost every step), so this is a diagnostic, not a benchmark: its timings carry the hooks.
-They can change what the gate chooses. On an H200 at continuous c = 1, the sweep alone took
-ceilings 16 and 32 for four fifths of its steps (0.89 of the best fixed budget, twice). Under
-the hooks it took 64 for 69% (0.95). `--choices-only` keeps the choices and nothing else: no
+They can change what the gate chooses. On an H200 at continuous c = 1, the sweep alone ran the
+level at ceiling 32 (fixed-32's tokens a step; 0.89 of the best fixed budget, twice). Under the
+hooks, on the same machine, it made 0.95. `--choices-only` keeps the choices and nothing else: no
 prices in brackets, no report.
 
     python bench/gate_diagnosis.py --device cuda --dtype bfloat16 --concurrency 1,16,64
@@ -94,12 +94,12 @@ def hook(choices_only: bool = False) -> None:
     priced_now: dict[str, str] = {}  # the decision's prices, when the gate decided this step
 
     def priced(self: DraftGate, acceptance, caps, cost, build, layout, overhead):
-        ceilings, rates, step_ms, forecast = drafted_ceilings(
+        ceilings, rates, step_ms, forecast, measured_ms = drafted_ceilings(
             self, acceptance, caps, cost, build, layout, overhead
         )
         batch_size = len(caps)
-        ratios = [self.residual.ratio(batch_size, c) for c in ceilings]
-        tokens = (rates * step_ms * np.asarray(ratios) / 1000.0).tolist()  # what the rate was made of
+        ratios = (measured_ms / step_ms).tolist()
+        tokens = (rates * measured_ms / 1000.0).tolist()  # what the rate was made of
         plain_ratio = self.residual.ratio(batch_size, 0)
         plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / plain_ratio
         plain_ms = float(cost.verify_ms(batch_size, batch_size)) + overhead.plain_ms
@@ -121,7 +121,7 @@ def hook(choices_only: bool = False) -> None:
                 plain_ratio,
             )
         )
-        return ceilings, rates, step_ms, forecast
+        return ceilings, rates, step_ms, forecast, measured_ms
 
     def observed(self: AdaptiveBudget, trees, accepted, padded_num_nodes=None):
         step = observe(self, trees, accepted, padded_num_nodes)

@@ -315,7 +315,7 @@ def test_drafting_is_judged_by_its_best_rate_and_the_wider_choice_still_beats_a_
     shares = np.array([0.5, 0.8, 1.03, 0.99])
     gate = DraftGate(probe_interval=1024)
     record_curve(gate, CONFIDENT)
-    stub = ([1, 2, 4, 8], shares * plain, np.full(4, 5.0), np.full(4, 3.0))
+    stub = ([1, 2, 4, 8], shares * plain, np.full(4, 5.0), np.full(4, 3.0), np.full(4, 5.0))
     monkeypatch.setattr(gate, "_drafted_ceilings", lambda *args: stub)
     assert gate.ceiling([8], cost, FREE_BUILD, "padded") == 4
 

@@ -283,7 +283,7 @@ class DraftGate:
             predicted_tokens: dict[int, float] = {}
         else:
             acceptance = self.curve if calibrate is None else calibrate(self.curve) * self.spread
-            candidates, rates, step_ms, tokens = self._drafted_ceilings(
+            candidates, rates, step_ms, tokens, measured_ms = self._drafted_ceilings(
                 acceptance, caps, cost, build, layout, overhead
             )
             predicted_ms = dict(zip(candidates, step_ms.tolist(), strict=True))
@@ -294,7 +294,7 @@ class DraftGate:
             # Drafting is judged by its best rate; the choice is the widest near it that still
             # beats a plain step.
             drafted_rate = float(np.max(rates))
-            drafted = candidates[self._widest_near_best(candidates, rates, step_ms, batch_size, plain_rate)]
+            drafted = candidates[_widest_near_best(rates, measured_ms, plain_rate)]
             best = drafted if drafted_rate > plain_rate or learning else 0
             plain_close = drafted_rate <= PLAIN_PROBE_MAX_GAIN * plain_rate
         predicted_ms[0], predicted_tokens[0] = plain_ms, float(batch_size)
@@ -562,10 +562,11 @@ class DraftGate:
         build: BuildCost,
         layout: TokenLayout,
         overhead: StepOverhead,
-    ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The drafting ceilings, their predicted rates corrected by their measured ratios (tokens
-        made over forecast, step time taken over predicted), and their predicted step
-        milliseconds and tokens (the models' own, which the ratios are learned against).
+        made over forecast, step time taken over predicted), their predicted step milliseconds
+        and tokens (the models' own, which the ratios are learned against), and their step
+        milliseconds as measured (the predictions times their step-time ratios).
         `acceptance`: the recent curve, calibrated.
 
         A ceiling wider than the one whose own steps taught the tokens ratio last at this batch
@@ -600,30 +601,8 @@ class DraftGate:
         for i in range(taken + 1, len(candidates)):  # each doubling's forecast gain, as measured
             gain = tokens[i] - tokens[i - 1]
             corrected[i] = corrected[i - 1] + self.marginal.ratio(batch_size, candidates[i]) * gain
-        took_ratios = np.array([took.ratio(batch_size, c) for c in candidates])
-        return candidates, 1000.0 * corrected / step_ms / took_ratios, step_ms, tokens
-
-    def _widest_near_best(
-        self,
-        candidates: Sequence[int],
-        rates: np.ndarray,
-        step_ms: np.ndarray,
-        batch_size: int,
-        plain_rate: float,
-    ) -> int:
-        """The index of the drafting choice: the best predicted rate (the narrowest of equal
-        ones), or the widest candidate within `NEAR_BEST_RATE` of it, above `plain_rate`, whose
-        step is measured at most `NEAR_BEST_MS` dearer (`step_ms`: the models' predictions,
-        before the measured ratios)."""
-        measured_ms = step_ms * np.array([self.residual.ratio(batch_size, c) for c in candidates])
-        pick = int(np.argmax(rates))
-        near = (
-            (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick])
-            & (rates > plain_rate)
-            & (measured_ms <= (1.0 + NEAR_BEST_MS) * measured_ms[pick])
-        )
-        near[pick] = True  # the best itself, whatever its rate (a NaN compares false)
-        return int(np.flatnonzero(near)[-1])
+        measured_ms = step_ms * np.array([took.ratio(batch_size, c) for c in candidates])
+        return candidates, 1000.0 * corrected / measured_ms, step_ms, tokens, measured_ms
 
     @staticmethod
     def _first_ceiling(caps: Sequence[int], cost: StepCost, build: BuildCost, overhead: StepOverhead) -> int:
@@ -675,6 +654,20 @@ class DraftGate:
             # its gain, and the next probe is a probe interval away.
             self.curve = np.concatenate((self.curve, step_curve[known:]))
             self.spread = np.concatenate((self.spread, step_spread[known:]))
+
+
+def _widest_near_best(rates: np.ndarray, measured_ms: np.ndarray, plain_rate: float) -> int:
+    """The index of the drafting choice among the candidates: the best predicted rate (the
+    narrowest of equal ones), or the widest candidate within `NEAR_BEST_RATE` of it, above
+    `plain_rate`, whose measured step is at most `NEAR_BEST_MS` dearer."""
+    pick = int(np.argmax(rates))
+    near = (
+        (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick])
+        & (rates > plain_rate)
+        & (measured_ms <= (1.0 + NEAR_BEST_MS) * measured_ms[pick])
+    )
+    near[pick] = True  # the best itself, whatever its rate (a NaN compares false)
+    return int(np.flatnonzero(near)[-1])
 
 
 def recheck_steps(batch_size: int) -> int:
