@@ -48,8 +48,17 @@ FILE_ONLY = BuildCost(0.0, 0.0, 0.0)
 
 def steer_by_the_file(engine: SpecEngine) -> None:
     """The cost file alone steers the policy: a free host build, no step overhead, no step-time
-    ratio learned and no probe kept away by its measured cost (this machine's host work, under
-    the suite's load, is not what the test is about)."""
+    ratio learned, no probe kept away by its measured cost and each drafter call priced at the
+    file (this machine's host work, under the suite's load, is not what the test is about; a
+    drafter call's measured milliseconds moved a batch's widths and so its probes' steps)."""
+    policy = engine.budget_policy
+    record_draft_ms = policy.record_draft_ms
+
+    def record_file_priced_draft(draft_ms: float, catching_up: bool = False) -> None:
+        record_draft_ms(draft_ms, catching_up)
+        policy._draft_ms = None  # a step's drafter call unmeasured is priced at the file
+
+    policy.record_draft_ms = record_file_priced_draft
     engine.budget_policy.build = FILE_ONLY
     engine.budget_policy.overhead = StepOverhead(ema_weight=0.0)
     engine.budget_policy.gate.residual = StepResidual(frozen=True)
@@ -340,7 +349,7 @@ def test_a_drafting_streak_holds_while_its_batch_drains(make_pair_config, prompt
     policy = engine.budget_policy
     policy.lesson_share = 0.0  # node lessons are dear: settled steps arm cruises
     policy.cost.ema_weight = 0.0  # the file's prices hold: this machine's timings end no streak
-    lengths = (28, 44, 96)
+    lengths = (28, 40, 96)  # each drain lands inside a held streak, between its probes
     add_greedy_requests(engine, prompt_ids, lengths)
     outputs: dict[str, list[int]] = {}
     batches: list[int] = []
