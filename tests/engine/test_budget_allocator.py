@@ -290,19 +290,22 @@ def test_a_costly_build_narrows_the_ceiling_and_probes_look_both_ways():
 
 def test_where_width_is_nearly_free_the_widest_ceiling_near_the_best_rate_is_taken(monkeypatch):
     """Nodes past 32 are forecast to gain little: at a few percent more step time, 64's
-    predicted rate is a little under 32's, the argmax. The gate takes 64 (its steps teach 32's
-    tokens from their prefixes, where 32's would never see past themselves); where building the
-    wider tree costs a quarter more, it keeps 32."""
+    predicted rate is a little under 32's, the argmax. Once 64's own steps have measured its
+    step time, the gate takes 64 (its steps teach 32's tokens from their prefixes, where 32's
+    would never see past themselves); unmeasured, 64's step is only the models' price and 32
+    stands; where building the wider tree costs a quarter more, 32 stands too."""
     confident_then_unlikely = np.concatenate((np.full(32, 0.5), np.full(32, 0.001)))
     verify = linear_curve(fixed_ms=4.0, per_token_ms=0.005, draft_ms=1.0)
     free, dear = BuildCost(0.0, 0.0, per_node_ms=0.001), BuildCost(0.0, 0.0, per_node_ms=0.05)
 
-    def choice(build: BuildCost) -> int:
+    def choice(build: BuildCost, measured: bool = True) -> int:
         gate = DraftGate(probe_interval=1024)
         record_curve(gate, confident_then_unlikely)
+        if measured:  # a step at 64 took what the models predicted
+            gate.residual.observe(1, 64, predicted_ms=6.0, measured_ms=6.0)
         return gate.ceiling([64], verify, build, "padded")
 
-    assert (choice(free), choice(dear)) == (64, 32)
+    assert (choice(free), choice(dear), choice(free, measured=False)) == (64, 32, 32)
     monkeypatch.setattr(draft_gate, "NEAR_BEST_RATE", 0.0)  # the best rate alone
     assert (choice(free), choice(dear)) == (32, 32)
 

@@ -40,6 +40,16 @@ def test_a_ratio_follows_its_steps_and_untaken_ceilings_read_the_nearest_taken_o
     assert frozen.ratio(8, 16) == 1.0
 
 
+def test_a_ceiling_is_measured_by_its_own_steps_at_its_bucket_only():
+    """32 reads 16's ratio but has not measured it: the gate widens its choice only to a ceiling
+    its own steps priced. A frozen table takes the models as measured everywhere."""
+    residual = StepResidual()
+    residual.observe(8, 16, predicted_ms=4.0, measured_ms=6.0)
+    assert residual.measured(8, 16) and residual.measured(5, 16)
+    assert not residual.measured(8, 32) and not residual.measured(16, 16) and not residual.measured(8, 0)
+    assert StepResidual(frozen=True).measured(8, 32)
+
+
 def test_one_noisy_step_moves_a_ratio_a_little():
     """A first step three times its prediction (the process descheduled) says less than that:
     it is shrunk toward the bucket's level, itself shrunk toward 1 (trust 1 / (1 + SHRINK) each);

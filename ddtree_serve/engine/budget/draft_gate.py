@@ -128,7 +128,15 @@ NEAR_BEST_MS = 0.10
 """... a share of the best candidate's measured step time (`NEAR_BEST_RATE`): on the H100 the
 probed 64 measured 3-8% over 32 at batch 1-2 (fixed-64's steps: 4-6%). Where width is dear
 (the CI CPU, where 64's step is 1.2x 32's at batch 1, and 32's 1.16x 8's) the narrower choice
-stands: there a wider step's extra time is what the rates compare."""
+stands: there a wider step's extra time is what the rates compare.
+
+Only a ceiling whose own steps at the batch bucket taught its step-time ratio is measured so. One
+never taken reads the nearest taken ceiling's ratio: its step is then the models' relative
+price, and on the CI CPU the models underprice width (64's step predicted a few percent over
+32's at batch 1). Priced so, the band took 64 for 93% of one c = 1 level where fixed-8 wins, and
+c = 1 made 0.81-0.96 of the best in six paired sweeps where the gate without the band made
+0.96-1.03. The wider probes measure a ceiling before the band may take it: on the H100 the
+probed 64 is what the band is for."""
 
 
 PROBE_TURNS = ("wider", "narrower", "plain")
@@ -294,7 +302,8 @@ class DraftGate:
             # Drafting is judged by its best rate; the choice is the widest near it that still
             # beats a plain step.
             drafted_rate = float(np.max(rates))
-            drafted = candidates[_widest_near_best(rates, measured_ms, plain_rate)]
+            own = np.array([self.residual.measured(batch_size, c) for c in candidates])
+            drafted = candidates[_widest_near_best(rates, measured_ms, own, plain_rate)]
             best = drafted if drafted_rate > plain_rate or learning else 0
             plain_close = drafted_rate <= PLAIN_PROBE_MAX_GAIN * plain_rate
         predicted_ms[0], predicted_tokens[0] = plain_ms, float(batch_size)
@@ -656,15 +665,19 @@ class DraftGate:
             self.spread = np.concatenate((self.spread, step_spread[known:]))
 
 
-def _widest_near_best(rates: np.ndarray, measured_ms: np.ndarray, plain_rate: float) -> int:
+def _widest_near_best(
+    rates: np.ndarray, measured_ms: np.ndarray, own_ms: np.ndarray, plain_rate: float
+) -> int:
     """The index of the drafting choice among the candidates: the best predicted rate (the
     narrowest of equal ones), or the widest candidate within `NEAR_BEST_RATE` of it, above
-    `plain_rate`, whose measured step is at most `NEAR_BEST_MS` dearer."""
+    `plain_rate`, whose step is at most `NEAR_BEST_MS` dearer as its own steps measured it
+    (`own_ms`: whether they did)."""
     pick = int(np.argmax(rates))
     near = (
         (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick])
         & (rates > plain_rate)
         & (measured_ms <= (1.0 + NEAR_BEST_MS) * measured_ms[pick])
+        & own_ms
     )
     near[pick] = True  # the best itself, whatever its rate (a NaN compares false)
     return int(np.flatnonzero(near)[-1])

@@ -113,6 +113,12 @@ class StepResidual:
             return level if ceiling > 0 else 1.0
         return known.value(self._steps, toward=level)
 
+    def measured(self, batch_size: int, ceiling: int) -> bool:
+        """Whether this ceiling's own steps at this batch bucket have taught its ratio (else
+        `ratio` reads another ceiling's, or the bucket's level); a frozen table takes the models
+        as measured everywhere."""
+        return self.frozen or (batch_bucket(batch_size), ceiling) in self._ratios
+
     def age(self) -> None:
         """A step that teaches this table nothing: its ratios grow one step staler."""
         if not self.frozen:
