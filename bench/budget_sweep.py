@@ -398,10 +398,16 @@ def record_traces(
     """One untimed run at the recorder's budget, its drafts and verdicts kept as traces: kept out
     of the timed runs, whose fixed budget would carry the recording's host work."""
     config = base.model_copy(update={"budget": recorder.budget})
-    engine = _engine(
+    engine = recording_engine(config, target, drafter, tokenizer, recorder)
+    tokens_per_s(engine, prompts, concurrency, args.max_tokens, "trace", StepLog(), args.requests_per_slot)
+
+
+def recording_engine(config: EngineConfig, target, drafter, tokenizer, recorder) -> SpecEngine:
+    """A fixed-budget engine whose pair tells `recorder` each draft (`drafted(inputs, output)`)
+    and each verdict (`verified(output)`); its start-up capture reports scratch slots too."""
+    return _engine(
         config, "fixed", RecordingTarget(target, recorder), RecordingDrafter(drafter, recorder), tokenizer
     )
-    tokens_per_s(engine, prompts, concurrency, args.max_tokens, "trace", StepLog(), args.requests_per_slot)
 
 
 def _settings(config: EngineConfig, policy: str, cost_path: str | None):

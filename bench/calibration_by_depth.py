@@ -83,13 +83,7 @@ class NodeRecorder:
 def record(args: argparse.Namespace) -> NodeRecorder:
     base, target, drafter, tokenizer, prompts = budget_sweep.live_pair(args, args.budget, args.concurrency)
     recorder = NodeRecorder(args.budget)
-    engine = budget_sweep._engine(
-        base,
-        "fixed",
-        budget_sweep.RecordingTarget(target, recorder),
-        budget_sweep.RecordingDrafter(drafter, recorder),
-        tokenizer,
-    )
+    engine = budget_sweep.recording_engine(base, target, drafter, tokenizer, recorder)
     recorder.reset()  # the engine's start-up capture of graphs drafted and verified scratch slots
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for start in range(0, len(prompts), args.concurrency):

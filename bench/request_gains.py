@@ -62,13 +62,8 @@ def run(args: argparse.Namespace) -> dict:
     report: dict = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "budgets": {}}
     for budget in budgets:
         recorder = SlotRecorder(budget)
-        engine = budget_sweep._engine(
-            base.model_copy(update={"budget": budget}),
-            "fixed",
-            budget_sweep.RecordingTarget(target, recorder),
-            budget_sweep.RecordingDrafter(drafter, recorder),
-            tokenizer,
-        )
+        config = base.model_copy(update={"budget": budget})
+        engine = budget_sweep.recording_engine(config, target, drafter, tokenizer, recorder)
         recorder.reset()  # the engine's start-up capture of graphs drafted and verified scratch slots
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         for i in range(args.concurrency):
