@@ -59,10 +59,10 @@ def steer_by_the_file(engine: SpecEngine) -> None:
         policy._draft_ms = None  # a step's drafter call unmeasured is priced at the file
 
     policy.record_draft_ms = record_file_priced_draft
-    engine.budget_policy.build = FILE_ONLY
-    engine.budget_policy.overhead = StepOverhead(ema_weight=0.0)
-    engine.budget_policy.gate.residual = StepResidual(frozen=True)
-    engine.budget_policy.gate.probe_share = 0.0
+    policy.build = FILE_ONLY
+    policy.overhead = StepOverhead(ema_weight=0.0)
+    policy.gate.residual = StepResidual(frozen=True)
+    policy.gate.probe_share = 0.0
 
 
 def gentle_engine(make_pair_config, cost_files: dict[str, str]) -> SpecEngine:

@@ -302,8 +302,8 @@ class DraftGate:
             # Drafting is judged by its best rate; the choice is the widest near it that still
             # beats a plain step.
             drafted_rate = float(np.max(rates))
-            own = np.array([self.residual.measured(batch_size, c) for c in candidates])
-            drafted = candidates[_widest_near_best(rates, measured_ms, own, plain_rate)]
+            own_steps = np.array([self.residual.measured(batch_size, c) for c in candidates])
+            drafted = candidates[_widest_near_best(rates, measured_ms, own_steps, plain_rate)]
             best = drafted if drafted_rate > plain_rate or learning else 0
             plain_close = drafted_rate <= PLAIN_PROBE_MAX_GAIN * plain_rate
         predicted_ms[0], predicted_tokens[0] = plain_ms, float(batch_size)
@@ -666,18 +666,18 @@ class DraftGate:
 
 
 def _widest_near_best(
-    rates: np.ndarray, measured_ms: np.ndarray, own_ms: np.ndarray, plain_rate: float
+    rates: np.ndarray, measured_ms: np.ndarray, own_steps: np.ndarray, plain_rate: float
 ) -> int:
     """The index of the drafting choice among the candidates: the best predicted rate (the
     narrowest of equal ones), or the widest candidate within `NEAR_BEST_RATE` of it, above
     `plain_rate`, whose step is at most `NEAR_BEST_MS` dearer as its own steps measured it
-    (`own_ms`: whether they did)."""
+    (`own_steps`: whether they did)."""
     pick = int(np.argmax(rates))
     near = (
         (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick])
         & (rates > plain_rate)
         & (measured_ms <= (1.0 + NEAR_BEST_MS) * measured_ms[pick])
-        & own_ms
+        & own_steps
     )
     near[pick] = True  # the best itself, whatever its rate (a NaN compares false)
     return int(np.flatnonzero(near)[-1])
