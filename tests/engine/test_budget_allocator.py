@@ -280,7 +280,9 @@ def test_a_costly_build_narrows_the_ceiling_and_probes_look_both_ways():
     record_curve(gate, CONFIDENT, CONFIDENT)
     assert gate.ceiling([8, 8], curve, FREE_BUILD, "padded") == 8
     per_node = BuildCost(0.0, 0.0, per_node_ms=1.5)  # 1.5 ms per node built
-    ceilings = [gate.ceiling([8, 8], curve, per_node, "padded") for _ in range(12)]
+    # At its cap a streak's probes look narrower only, one in three intervals: it decides again
+    # at its first probe, six steps on.
+    ceilings = [gate.ceiling([8, 8], curve, per_node, "padded") for _ in range(30)]
     narrow = Counter(ceilings).most_common(1)[0][0]
     assert 0 < narrow < 8 and ceilings.count(narrow) >= len(ceilings) // 2
     # Probes look both ways: twice as wide (the curve past the choice stays known) and narrower
@@ -812,7 +814,8 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
             assert record.predicted_accepted > 0.0
         assert cruised_steps == held_steps >= 1
         gate = cruising.gate
-        ends.add("probe" if gate.steps_since_probe >= gate.drafted_probe_interval else "recheck")
+        probe_due = gate.steps_since_probe >= gate._drafted_interval(gate._streak_turns)
+        ends.add("probe" if probe_due else "recheck")
         assert cruising.plan([8]) == ceiling and not cruising.gate.kept
         assert cruising.gate.steps_since_probe == asking.gate.steps_since_probe
         cruise_lengths.append(cruised_steps)
@@ -1028,7 +1031,7 @@ def test_only_unsettled_steps_and_node_lessons_teach_the_cost_curve(monkeypatch)
         return step
 
     monkeypatch.setattr(policy, "observe", recording_observe)
-    records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 60, cost_per_node=0.0)
+    records = run_streak(policy, monkeypatch, EARLY_CALIBRATIONS + 240, cost_per_node=0.0)
     settled = lessons[True, False] + lessons[True, True]
     assert len(settled) == sum(r["settled"] for r in records) > 10
     assert not any(lessons[True, False]) and lessons[True, True] and all(lessons[True, True])

@@ -58,9 +58,9 @@ def test_a_wider_ceilings_further_nodes_are_priced_by_what_they_made():
     assert gate.marginal.ratio(2, 16) > 1.8
     assert gate.marginal.ratio(2, 8) == pytest.approx(1.0, abs=0.15)
     gate._tokens_ceiling[2] = 8  # the steps since took 8
-    gate._streak = None
+    gate._streak, gate.steps_since_probe = None, 0  # a decision, no probe due
     dear_width = linear_curve(fixed_ms=1.0, per_token_ms=0.11, draft_ms=1.0)
     assert gate.ceiling([16, 16], dear_width, FREE_BUILD, "padded") == 16
     gate.marginal = MarginalGain()  # as before: the further nodes at their forecast
-    gate._streak = None
+    gate._streak, gate.steps_since_probe = None, 0
     assert gate.ceiling([16, 16], dear_width, FREE_BUILD, "padded") == 8

@@ -1,10 +1,12 @@
 """The step residual: each ceiling judged by what its steps took against what the models said."""
 
+import itertools
+
 import numpy as np
 import pytest
 
 from ddtree_serve.engine.budget import AdaptiveBudget, BuildCost, CostCurve, DraftGate
-from ddtree_serve.engine.budget.draft_gate import recheck_steps
+from ddtree_serve.engine.budget.draft_gate import PROBE_TURNS, recheck_steps
 from ddtree_serve.engine.budget.policy import PLAIN_CRUISE_STEPS
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import (
@@ -152,14 +154,46 @@ def test_a_step_the_drafter_lost_teaches_the_drafted_ceiling_nothing():
 
 def test_a_probe_that_has_no_other_ceiling_still_restarts_the_count():
     """With a cap of 1 a due probe can only take the choice itself; the streak still holds
-    between probes (it would otherwise decide in full every step from then on)."""
+    between probes (it would otherwise decide in full every step from then on), which are
+    `len(PROBE_TURNS)` intervals apart where no direction applies."""
     gate = DraftGate(probe_interval=4)
     gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
     cost = flat_cost(verify_ms=4.0, draft_ms=1.0)
     for _ in range(40):
         assert gate.ceiling([1, 1], cost, FREE_BUILD, "padded") == 1
         gate.record_step_ms(5.0)
-        assert gate.steps_since_probe <= gate.probe_interval
+        assert gate.steps_since_probe <= len(PROBE_TURNS) * gate.probe_interval
+
+
+def test_a_streak_at_its_cap_probes_narrower_one_interval_in_three():
+    """Each node costs a little and the curve ends at 16 positions: 16 is the choice. At cap 16
+    its probes can only look narrower (drafting wins by far: no plain probe), once in
+    `len(PROBE_TURNS)` probe intervals; under cap 64 it is probed every interval, wider and
+    narrower in turn (the wider probe is its only news past its width)."""
+    tokens = np.array([1.0, 4096.0])
+    cost = CostCurve([1, 64], tokens, [4.0 + 0.05 * (tokens - 1.0)] * 2, draft_ms=[1.0, 1.0])
+
+    def probes(cap: int) -> list[tuple[int, int]]:
+        """(step, ceiling) of each probe of the choice's neighbours over 100 steps."""
+        gate = DraftGate(probe_interval=4)
+        gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))
+        taken = []
+        for step in range(100):
+            ceiling = gate.ceiling([cap, cap], cost, FREE_BUILD, "padded")
+            if gate.probing_neighbour:
+                taken.append((step, ceiling))
+            gate.record_step_ms(float(cost.verify_ms(2, 2 * (ceiling + 1))) + 1.0)
+        return taken
+
+    def last_gaps(taken: list[tuple[int, int]]) -> list[int]:
+        steps = [step for step, _ in taken[-4:]]
+        return [later - earlier for earlier, later in itertools.pairwise(steps)]
+
+    at_cap, below_cap = probes(16), probes(64)
+    assert {ceiling for _, ceiling in at_cap} == {8}
+    assert {ceiling for _, ceiling in below_cap} == {8, 32}
+    assert last_gaps(at_cap) == [1 + len(PROBE_TURNS) * 4] * 3
+    assert last_gaps(below_cap) == [1 + 4] * 3
 
 
 def test_a_new_batch_bucket_is_not_probed_at_once():
@@ -333,7 +367,7 @@ def test_a_ceiling_wider_than_the_one_taken_reads_its_tokens_ratio():
     assert gate.token_residual.ratio(2, 16) < 0.7 < 0.95 < gate.token_residual.ratio(2, 8)
     assert gate.ceiling([16, 16], cost, FREE_BUILD, "padded") == 16
     gate._tokens_ceiling.clear()  # as before: each ceiling read its own ratio
-    gate._streak = None
+    gate._streak, gate.steps_since_probe = None, 0  # a decision, no probe due
     assert gate.ceiling([16, 16], cost, FREE_BUILD, "padded") == 8
 
 

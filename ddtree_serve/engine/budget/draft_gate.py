@@ -12,22 +12,23 @@ the models leave out is judged by what steps took, and multiplied by the tokens 
 over the tokens it forecast (`token_residual`): pricing every request by the batch's mean curve
 forecast the drafted steps on the CI CPU at batch 4-8 4-7% above what they made (the requests'
 own trees, which the steps verify, were forecast within 2%), enough to hold drafting where plain
-decoding won by 7-15%. After a few steps at one choice (2 at a new
-batch bucket, doubling to `probe_interval` after each probe), one step builds in turn wider
-(twice the choice: the curve past the chosen width stays current and the engine can widen again
-when acceptance or load changes), narrower (the next candidate below: its measured ratio
-stays current) and, where drafting is predicted to win by little, not at all (a plain step: its
-measured ratio stays current, `PLAIN_PROBE_MAX_GAIN`); after plain steps the probe drafts at
-the best drafting ceiling (a probe at the cap could cost more than the plain steps before it
-saved), and while probes keep finding
-drafting a loss they come at doubling intervals: each one also pays the drafter's catch-up on
-all the context it skipped (on a CPU at batch 64, ten plain steps'; at batch 8, three). They
-back off near the boundary too: there a plain step is about as good as a drafted one, so the
-most a late probe loses is that margin, while each probe costs a few plain steps for sure. The
-interval is kept per batch bucket: a load where drafting wins (the last few requests of a
-batch, finishing) says nothing of one where it loses. On the CPU at batch 8 (drafting
-predicted at 0.8-1.0x plain decoding, measured at 0.72x) the back-off was reset by every
-decision near the boundary and by each run's tail, so every 31-step run paid a probe (7-8%).
+decoding won by 7-15%. After a few steps at one choice (2 at a new batch bucket, doubling to
+`probe_interval` after each probe), one step builds in turn wider (twice the choice: the curve
+past the chosen width stays current and the engine can widen again when acceptance or load
+changes), narrower (the next candidate below: its measured ratio stays current) and, where
+drafting is predicted to win by little, not at all (a plain step: its measured ratio stays
+current, `PLAIN_PROBE_MAX_GAIN`; a streak at its cap, with no wider ceiling, probes each
+direction that applies one interval in three: `PROBE_TURNS`); after plain steps the probe drafts
+at the best drafting ceiling (a probe at the cap could cost more than the plain steps before it
+saved), and while probes keep finding drafting a loss they come at doubling intervals: each one
+also pays the drafter's catch-up on all the context it skipped (on a CPU at batch 64, ten plain
+steps'; at batch 8, three). They back off near the boundary too: there a plain step is about as
+good as a drafted one, so the most a late probe loses is that margin, while each probe costs a
+few plain steps for sure. The interval is kept per batch bucket: a load where drafting wins (the
+last few requests of a batch, finishing) says nothing of one where it loses. On the CPU at batch
+8 (drafting predicted at 0.8-1.0x plain decoding, measured at 0.72x) the back-off was reset by
+every decision near the boundary and by each run's tail, so every 31-step run paid a probe
+(7-8%).
 
 The curve is an EMA, per best-first position, of the drafted trees' drafter probabilities
 averaged over their requests (a step's trees are learned during the next step's verify, a
@@ -140,7 +141,17 @@ probed 64 is what the band is for."""
 
 
 PROBE_TURNS = ("wider", "narrower", "plain")
-"""The directions a drafting streak's probes take in turn (`DraftGate._probe_ceiling`)."""
+"""The directions a drafting streak's probes take in turn (`DraftGate._probe_ceiling`); one that
+does not apply passes its turn to the next. A streak at its cap has no wider probe, and there its
+probes come one per direction that applies in `len(PROBE_TURNS)` intervals (`_probe_turns`): the
+wider probe is a streak's only news of the curve past its width, while a narrower ceiling's
+tokens are taught by the choice's own prefixes at every step and only its step-time ratio needs
+a probe. At c = 1-2 on an H100, where 64 is the cap and the choice, every probe was a narrower
+one, one in 16 steps, each 0.8 ms over a cruising step's 2.9 with 0.5 fewer tokens. One in 48
+took closed c = 1 from 0.95 to 0.98 of the best fixed budget and continuous c = 1 from 0.94 to
+0.97 in four paired sweeps; spacing every streak's probes so (below the cap too) lost 0.01-0.04
+at c = 8-64, where the wider probes find the width (`bench/results/budget_sweep_h200.md`,
+thirty-sixth session)."""
 
 
 class DraftGate:
@@ -198,6 +209,7 @@ class DraftGate:
         self._streak_ms = 0.0
         self._streak_batch = 0  # the batch size the streak was decided at
         self._streak_prices = (0.0, 0.0)  # plain step and drafter call, predicted when decided
+        self._streak_turns = 1  # the probe directions that apply to a drafting streak's choice
         self.residual = StepResidual()
         # Per (batch bucket, ceiling): tokens a drafted step made over the tokens it forecast.
         self.token_residual = StepResidual(mean=True)
@@ -314,13 +326,13 @@ class DraftGate:
         self._probe_bucket = streak[0]
         chosen = best
         plain_interval = self.plain_probe_interval(batch_size)
-        interval = plain_interval if best == 0 else self.drafted_probe_interval
+        plain_turn = plain_close and not learning
+        turns = self._probe_turns(best, cap, batch_size, predicted_ms, plain_turn)
+        interval = plain_interval if best == 0 else self._drafted_interval(turns)
         probe_due = self.steps_since_probe >= interval
         if probe_due:
             chosen = (
-                drafted
-                if best == 0
-                else self._probe_ceiling(best, cap, batch_size, predicted_ms, plain_close and not learning)
+                drafted if best == 0 else self._probe_ceiling(best, cap, batch_size, predicted_ms, plain_turn)
             )
             if best > 0:
                 self.drafted_probe_interval = min(2 * self.drafted_probe_interval, self.probe_interval)
@@ -352,6 +364,7 @@ class DraftGate:
         self._streak_tokens = predicted_tokens.get(choice, 0.0)
         self._streak_narrower = _below(predicted_tokens, choice)
         self._streak_prices = (plain_ms, draft_ms)
+        self._streak_turns = turns
         return chosen
 
     def _in_streak(self, buckets: tuple[int, int]) -> bool:
@@ -382,7 +395,7 @@ class DraftGate:
         return max(
             0,
             min(
-                self.drafted_probe_interval - self.steps_since_probe,
+                self._drafted_interval(self._streak_turns) - self.steps_since_probe,
                 recheck_steps(self._streak_batch) - self._streak_age,
             ),
         )
@@ -450,7 +463,7 @@ class DraftGate:
         if self._streak_choice == 0:
             interval = self.plain_probe_interval(self._streak_batch)
             return self.steps_since_probe < interval and not moved[0]
-        due = self.steps_since_probe >= self.drafted_probe_interval
+        due = self.steps_since_probe >= self._drafted_interval(self._streak_turns)
         return not due and not any(moved) and self._streak_age < recheck_steps(self._streak_batch)
 
     def _probe_ceiling(
@@ -462,21 +475,45 @@ class DraftGate:
         known); a direction that does not apply passes its turn to the next. A wider one only at
         a price (`WIDER_PROBE_MAX_COST`). `predicted_ms`: the candidates' predicted step
         milliseconds, before their measured ratios."""
-        wider = min(cap, 2 * best)
-        narrower = max((c for c in powers_of_two_upto(cap) if c < best), default=0)
-        affordable = wider > best and self._affordable(wider, best, batch_size, predicted_ms)
-        options = {
-            "wider": wider if affordable else None,
-            "narrower": narrower or None,
-            "plain": 0 if plain else None,
-        }
+        options = self._probe_options(best, cap, batch_size, predicted_ms, plain)
         for offset in range(len(PROBE_TURNS)):
             turn = (self._probe_turn + offset) % len(PROBE_TURNS)
-            ceiling = options[PROBE_TURNS[turn]]
-            if ceiling is not None:
+            if PROBE_TURNS[turn] in options:
                 self._probe_turn = (turn + 1) % len(PROBE_TURNS)
-                return ceiling
+                return options[PROBE_TURNS[turn]]
         return best
+
+    def _probe_options(
+        self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float], plain: bool
+    ) -> dict[str, int]:
+        """The probe directions that apply to the drafting choice `best`, each with its ceiling
+        (`_probe_ceiling`)."""
+        wider = min(cap, 2 * best)
+        narrower = max((c for c in powers_of_two_upto(cap) if c < best), default=0)
+        options = {}
+        if wider > best and self._affordable(wider, best, batch_size, predicted_ms):
+            options["wider"] = wider
+        if narrower:
+            options["narrower"] = narrower
+        if plain:
+            options["plain"] = 0
+        return options
+
+    def _probe_turns(
+        self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float], plain: bool
+    ) -> int:
+        """The probe turns a drafting streak at `best` takes (`_drafted_interval`): all of
+        `PROBE_TURNS` below the cap (the wider probe is the streak's only news of the curve past
+        its width), else only the directions that apply (`PROBE_TURNS`)."""
+        if best == 0 or best < cap:
+            return len(PROBE_TURNS)
+        return len(self._probe_options(best, cap, batch_size, predicted_ms, plain))
+
+    def _drafted_interval(self, turns: int) -> int:
+        """Drafted steps between a streak's probes where it takes `turns` of the `PROBE_TURNS`:
+        `drafted_probe_interval` for each of them, so each direction it probes comes once in
+        `len(PROBE_TURNS)` intervals."""
+        return self.drafted_probe_interval * len(PROBE_TURNS) // max(turns, 1)
 
     def _affordable(self, wider: int, best: int, batch_size: int, predicted_ms: dict[int, float]) -> bool:
         """Whether a probe at `wider` costs at most `WIDER_PROBE_MAX_COST` steps at `best`."""
