@@ -727,7 +727,7 @@ def test_the_step_after_a_neighbour_probe_resumes_its_streak_settled(monkeypatch
     path.reverse()
     trees = TreeBatch.from_trees([tree])
     steps = []  # (ceiling, probe, kept, settled, weighed)
-    for _ in range(EARLY_CALIBRATIONS + 60):
+    for _ in range(EARLY_CALIBRATIONS + 160):  # at its cap a streak probes one interval in three
         ceiling = policy.plan([8])
         gate = policy.gate
         probe, kept, settled = gate.probing_neighbour, gate.kept, policy.settled
