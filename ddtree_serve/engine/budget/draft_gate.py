@@ -147,11 +147,12 @@ probes come one per direction that applies in `len(PROBE_TURNS)` intervals (`_pr
 wider probe is a streak's only news of the curve past its width, while a narrower ceiling's
 tokens are taught by the choice's own prefixes at every step and only its step-time ratio needs
 a probe. At c = 1-2 on an H100, where 64 is the cap and the choice, every probe was a narrower
-one, one in 16 steps, each 0.8 ms over a cruising step's 2.9 with 0.5 fewer tokens. One in 48
-took closed c = 1 from 0.95 to 0.98 of the best fixed budget and continuous c = 1 from 0.94 to
-0.97 in four paired sweeps; spacing every streak's probes so (below the cap too) lost 0.01-0.04
-at c = 8-64, where the wider probes find the width (`bench/results/budget_sweep_h200.md`,
-thirty-sixth session)."""
+one, one in 16 steps, each 0.8 ms over a cruising step's 2.9 with 0.5 fewer tokens. Spacing
+every streak's probes so took closed c = 1 from 0.95 to 0.98 of the best fixed budget and
+continuous c = 1 from 0.94 to 0.97 (four paired sweeps each) but lost 0.01-0.04 at c = 8-64, where
+the wider probes find the width; spaced at the cap only, one call gave closed c = 1-4 even and
+continuous c = 1-2 0.93-0.94 -> 0.96 (`bench/results/budget_sweep_h200.md`, thirty-sixth
+session)."""
 
 
 class DraftGate:
