@@ -143,7 +143,7 @@ probed 64 is what the band is for."""
 PROBE_TURNS = ("wider", "narrower", "plain")
 """The directions a drafting streak's probes take in turn (`DraftGate._probe_ceiling`); one that
 does not apply passes its turn to the next. A streak at its cap has no wider probe, and there its
-probes come one per direction that applies in `len(PROBE_TURNS)` intervals (`_probe_turns`): the
+probes come one per direction that applies in `len(PROBE_TURNS)` intervals (`DraftGate.ceiling`): the
 wider probe is a streak's only news of the curve past its width, while a narrower ceiling's
 tokens are taught by the choice's own prefixes at every step and only its step-time ratio needs
 a probe. At c = 1-2 on an H100, where 64 is the cap and the choice, every probe was a narrower
@@ -327,14 +327,15 @@ class DraftGate:
         self._probe_bucket = streak[0]
         chosen = best
         plain_interval = self.plain_probe_interval(batch_size)
-        plain_turn = plain_close and not learning
-        turns = self._probe_turns(best, cap, batch_size, predicted_ms, plain_turn)
+        options = self._probe_options(best, cap, batch_size, predicted_ms, plain_close and not learning)
+        # The probe turns the streak takes: all of them below the cap (the wider probe is its
+        # only news of the curve past its width), else only the directions that apply
+        # (`PROBE_TURNS`).
+        turns = len(PROBE_TURNS) if best < cap else len(options)
         interval = plain_interval if best == 0 else self._drafted_interval(turns)
         probe_due = self.steps_since_probe >= interval
         if probe_due:
-            chosen = (
-                drafted if best == 0 else self._probe_ceiling(best, cap, batch_size, predicted_ms, plain_turn)
-            )
+            chosen = drafted if best == 0 else self._probe_ceiling(best, options)
             if best > 0:
                 self.drafted_probe_interval = min(2 * self.drafted_probe_interval, self.probe_interval)
                 self._drafted_probe_intervals[streak[0]] = self.drafted_probe_interval
@@ -467,16 +468,12 @@ class DraftGate:
         due = self.steps_since_probe >= self._drafted_interval(self._streak_turns)
         return not due and not any(moved) and self._streak_age < recheck_steps(self._streak_batch)
 
-    def _probe_ceiling(
-        self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float], plain: bool
-    ) -> int:
+    def _probe_ceiling(self, best: int, options: dict[str, int]) -> int:
         """A drafting probe's ceiling, the directions taken in turn (`PROBE_TURNS`): twice the
         choice (the curve past it stays known), the candidate below it (its step-time ratio
-        stays known) and, where `plain` (`PLAIN_PROBE_MAX_GAIN`), a plain step (its price stays
-        known); a direction that does not apply passes its turn to the next. A wider one only at
-        a price (`WIDER_PROBE_MAX_COST`). `predicted_ms`: the candidates' predicted step
-        milliseconds, before their measured ratios."""
-        options = self._probe_options(best, cap, batch_size, predicted_ms, plain)
+        stays known) and a plain step (its price stays known), of the `options` that apply to
+        `best` (`_probe_options`); a direction that does not apply passes its turn to the
+        next."""
         for offset in range(len(PROBE_TURNS)):
             turn = (self._probe_turn + offset) % len(PROBE_TURNS)
             if PROBE_TURNS[turn] in options:
@@ -487,8 +484,13 @@ class DraftGate:
     def _probe_options(
         self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float], plain: bool
     ) -> dict[str, int]:
-        """The probe directions that apply to the drafting choice `best`, each with its ceiling
-        (`_probe_ceiling`)."""
+        """The probe directions that apply to the drafting choice `best` (none to a plain one),
+        each with its ceiling: twice the choice within the cap, at a price
+        (`WIDER_PROBE_MAX_COST`), the candidate below it, and where `plain`
+        (`PLAIN_PROBE_MAX_GAIN`) a plain step. `predicted_ms`: the candidates' predicted step
+        milliseconds, before their measured ratios."""
+        if best == 0:
+            return {}
         wider = min(cap, 2 * best)
         narrower = max((c for c in powers_of_two_upto(cap) if c < best), default=0)
         options = {}
@@ -499,16 +501,6 @@ class DraftGate:
         if plain:
             options["plain"] = 0
         return options
-
-    def _probe_turns(
-        self, best: int, cap: int, batch_size: int, predicted_ms: dict[int, float], plain: bool
-    ) -> int:
-        """The probe turns a drafting streak at `best` takes (`_drafted_interval`): all of
-        `PROBE_TURNS` below the cap (the wider probe is the streak's only news of the curve past
-        its width), else only the directions that apply (`PROBE_TURNS`)."""
-        if best == 0 or best < cap:
-            return len(PROBE_TURNS)
-        return len(self._probe_options(best, cap, batch_size, predicted_ms, plain))
 
     def _drafted_interval(self, turns: int) -> int:
         """Drafted steps between a streak's probes where it takes `turns` of the `PROBE_TURNS`:
