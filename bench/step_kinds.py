@@ -1,0 +1,135 @@
+"""The adaptive engine's steps by kind against fixed budgets' steps, timed unwrapped.
+
+`step_stages.py` times every stage through wrappers, whose own cost is in every figure (on an
+H100 its adaptive cruising step read 0.19 ms over fixed-64's at batch 1, where timing only
+`engine.step()` read 0.03-0.05). This times the whole step alone and groups the adaptive
+engine's steps by what they were: `c` a cruising step (`AdaptiveBudget.cruise_width`), `d` one
+that planned (a decision, a probe, a held or settled step), `p` a run's first step (its prefill
+too); fixed budgets' steps are `f` or `p`. Runs are closed batches of `--concurrency` requests of
+`--max-tokens` greedy tokens, the engines taken round-robin (each round one engine later) after
+`--warmup-runs` untimed rounds; one adaptive policy lives through all levels, as in the sweep.
+
+Per level it prints each engine's median tokens/s, the adaptive runs' tokens/s over the best
+fixed budget's round by round (median, mean, range), each kind's median and mean step time with
+its count, and the first runs' kinds in order.
+
+    python bench/step_kinds.py --device cuda --dtype bfloat16 --concurrency 1,2,4,8
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from budget_sweep import _engine, _settings, add_pair_arguments, live_pair
+
+from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.spec_engine import SpecEngine
+
+RUNS_SHOWN = 4
+"""Runs whose step kinds are printed in order, per level."""
+
+
+def run(
+    engine: SpecEngine,
+    tag: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    steps: dict[str, list[float]],
+) -> tuple[float, str]:
+    """One closed run of `concurrency` requests over `prompts` (token ids, in turn): its
+    tokens/s and its steps' kinds in order; each step's ms added to `steps[kind]`."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
+    num_tokens, kinds = 0, []
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_started = time.perf_counter()
+        outputs = engine.step()
+        ms = 1000.0 * (time.perf_counter() - step_started)
+        num_tokens += sum(out.num_new_tokens for out in outputs)
+        if not kinds:
+            kind = "p"
+        elif engine.budget_policy is None:
+            kind = "f"
+        else:
+            kind = "c" if engine._cruise_step is not None else "d"
+        kinds.append(kind)
+        steps[kind].append(ms)
+    return num_tokens / (time.perf_counter() - started), "".join(kinds)
+
+
+def kinds_line(steps: dict[str, list[float]]) -> str:
+    return "; ".join(
+        f"{kind} {statistics.median(ms):.3f} / {statistics.fmean(ms):.3f} ms ({len(ms)})"
+        for kind, ms in sorted(steps.items())
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_pair_arguments(parser)
+    parser.add_argument("--concurrency", default="1,2,4,8", help="(default: %(default)s)")
+    parser.add_argument(
+        "--budgets", default="32,64", help="fixed budgets; the largest is the cap (default: %(default)s)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
+    parser.add_argument(
+        "--warmup-runs", type=int, default=3, help="untimed rounds per level (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=10, help="timed rounds per level (default: %(default)s)"
+    )
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    base, target, drafter, tokenizer, prompts = live_pair(args, max(budgets), max(levels))
+    policy = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer).budget_policy
+    for concurrency in levels:
+        engines = {
+            f"fixed-{b}": _engine(base.model_copy(update={"budget": b}), "fixed", target, drafter, tokenizer)
+            for b in budgets
+        }
+        engines["adaptive"] = SpecEngine(
+            _settings(base, "adaptive", None), target, drafter, tokenizer, budget_policy=policy
+        )
+        names = list(engines)
+        for warmup in range(args.warmup_runs):
+            for name in names:
+                tag = f"w{concurrency}-{warmup}-{name}"
+                run(engines[name], tag, prompts, concurrency, args.max_tokens, defaultdict(list))
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        steps: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in names}
+        kinds: list[str] = []
+        for round_ in range(args.rounds):
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                tag = f"{concurrency}-{round_}-{name}"
+                rate, run_kinds = run(engines[name], tag, prompts, concurrency, args.max_tokens, steps[name])
+                rates[name].append(rate)
+                if name == "adaptive":
+                    kinds.append(run_kinds)
+        fixed = [name for name in names if name != "adaptive"]
+        best = max(fixed, key=lambda name: statistics.median(rates[name]))
+        paired = [a / b for a, b in zip(rates["adaptive"], rates[best], strict=True)]
+        print(
+            f"c = {concurrency}: " + ", ".join(f"{n} {statistics.median(rates[n]):.0f} tok/s" for n in names)
+        )
+        print(
+            f"  adaptive / {best}, round by round: median {statistics.median(paired):.3f}, "
+            f"mean {statistics.fmean(paired):.3f} (range {min(paired):.3f}-{max(paired):.3f})"
+        )
+        for name in ("adaptive", best):
+            print(f"  {name} steps, median / mean ms (count): {kinds_line(steps[name])}")
+        print(f"  adaptive runs' steps: {' '.join(kinds[:RUNS_SHOWN])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
