@@ -11,7 +11,12 @@ too); fixed budgets' steps are `f` or `p`. Runs are closed batches of `--concurr
 
 Per level it prints each engine's median tokens/s, the adaptive runs' tokens/s over the best
 fixed budget's round by round (median, mean, range), each kind's median and mean step time with
-its count, and the first runs' kinds in order.
+its count, and the first runs' kinds in order. Then, per engine, its steps after the first by
+(batch bucket, ceiling): count, tokens and milliseconds a step. A closed run lasts as long as
+its slowest request: the buckets show where a wider budget's extra tokens at the full batch
+were spent again in a longer tail of one or two requests (on an H100 at c = 8, 64 tokens,
+fixed-64 made 34.5 tokens in 3.62 ms a step at batch 8 against fixed-32's 30.8 in 3.31, then
+ran 5 steps at batch 1 to fixed-32's 3, and lost the run by 6%).
 
     python bench/step_kinds.py --device cuda --dtype bfloat16 --concurrency 1,2,4,8
 """
@@ -27,11 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from budget_sweep import _engine, _settings, add_pair_arguments, live_pair
 
+from ddtree_serve.engine.budget.step_residual import batch_bucket
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 
 RUNS_SHOWN = 4
 """Runs whose step kinds are printed in order, per level."""
+
+BucketSteps = dict[tuple[int, int], list[float]]
+"""(batch bucket, ceiling) -> [steps, tokens, milliseconds] summed."""
 
 
 def run(
@@ -41,28 +50,47 @@ def run(
     concurrency: int,
     max_tokens: int,
     steps: dict[str, list[float]],
+    by_bucket: BucketSteps,
 ) -> tuple[float, str]:
     """One closed run of `concurrency` requests over `prompts` (token ids, in turn): its
-    tokens/s and its steps' kinds in order; each step's ms added to `steps[kind]`."""
+    tokens/s and its steps' kinds in order; each step's ms added to `steps[kind]`, and each
+    step after the first (whose time holds the prefill) to `by_bucket` at its batch's bucket and
+    its ceiling (a fixed budget's own; an adaptive step's, 0 for a plain one)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(concurrency):
         engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
     num_tokens, kinds = 0, []
     started = time.perf_counter()
     while engine.has_unfinished_requests():
+        batch_size = engine.num_running
         step_started = time.perf_counter()
         outputs = engine.step()
         ms = 1000.0 * (time.perf_counter() - step_started)
-        num_tokens += sum(out.num_new_tokens for out in outputs)
+        made = sum(out.num_new_tokens for out in outputs)
+        num_tokens += made
+        policy = engine.budget_policy
         if not kinds:
             kind = "p"
-        elif engine.budget_policy is None:
+        elif policy is None:
             kind = "f"
         else:
             kind = "c" if engine._cruise_step is not None else "d"
         kinds.append(kind)
         steps[kind].append(ms)
+        if kind != "p":
+            last = None if policy is None else policy.last_step
+            ceiling = engine.settings.budget if policy is None else 0 if last is None else last.ceiling
+            totals = by_bucket.setdefault((batch_bucket(batch_size), ceiling), [0.0, 0.0, 0.0])
+            for i, value in enumerate((1, made, ms)):
+                totals[i] += value
     return num_tokens / (time.perf_counter() - started), "".join(kinds)
+
+
+def buckets_line(by_bucket: BucketSteps) -> str:
+    return "; ".join(
+        f"b{bucket} {ceiling}: {n:.0f} x {tokens / n:.1f} tok {ms / n:.2f} ms"
+        for (bucket, ceiling), (n, tokens, ms) in sorted(by_bucket.items())
+    )
 
 
 def kinds_line(steps: dict[str, list[float]]) -> str:
@@ -105,14 +133,17 @@ def main() -> None:
         for warmup in range(args.warmup_runs):
             for name in names:
                 tag = f"w{concurrency}-{warmup}-{name}"
-                run(engines[name], tag, prompts, concurrency, args.max_tokens, defaultdict(list))
+                run(engines[name], tag, prompts, concurrency, args.max_tokens, defaultdict(list), {})
         rates: dict[str, list[float]] = {name: [] for name in names}
         steps: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in names}
+        by_bucket: dict[str, BucketSteps] = {name: {} for name in names}
         kinds: list[str] = []
         for round_ in range(args.rounds):
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 tag = f"{concurrency}-{round_}-{name}"
-                rate, run_kinds = run(engines[name], tag, prompts, concurrency, args.max_tokens, steps[name])
+                rate, run_kinds = run(
+                    engines[name], tag, prompts, concurrency, args.max_tokens, steps[name], by_bucket[name]
+                )
                 rates[name].append(rate)
                 if name == "adaptive":
                     kinds.append(run_kinds)
@@ -128,7 +159,10 @@ def main() -> None:
         )
         for name in ("adaptive", best):
             print(f"  {name} steps, median / mean ms (count): {kinds_line(steps[name])}")
-        print(f"  adaptive runs' steps: {' '.join(kinds[:RUNS_SHOWN])}", flush=True)
+        print(f"  adaptive runs' steps: {' '.join(kinds[:RUNS_SHOWN])}")
+        for name in names:
+            print(f"  {name} by (batch bucket, ceiling): {buckets_line(by_bucket[name])}")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
