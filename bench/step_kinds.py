@@ -19,6 +19,9 @@ fixed-64 made 34.5 tokens in 3.62 ms a step at batch 8 against fixed-32's 30.8 i
 ran 5 steps at batch 1 to fixed-32's 3, and lost the run by 6%).
 
     python bench/step_kinds.py --device cuda --dtype bfloat16 --concurrency 1,2,4,8
+
+`--budgets 0,8` sets plain decoding (`ar`) beside fixed-8: where the gate decodes plainly, its
+plain steps (cruising `c`, deciding `d`) and its probes read against `ar`'s own.
 """
 
 import argparse
@@ -79,7 +82,10 @@ def run(
         steps[kind].append(ms)
         if kind != "p":
             last = None if policy is None else policy.last_step
-            ceiling = engine.settings.budget if policy is None else 0 if last is None else last.ceiling
+            if policy is None:
+                ceiling = 0 if engine.settings.mode == "ar" else engine.settings.budget
+            else:
+                ceiling = 0 if last is None else last.ceiling
             totals = by_bucket.setdefault((batch_bucket(batch_size), ceiling), [0.0, 0.0, 0.0])
             for i, value in enumerate((1, made, ms)):
                 totals[i] += value
@@ -107,7 +113,9 @@ def main() -> None:
     add_pair_arguments(parser)
     parser.add_argument("--concurrency", default="1,2,4,8", help="(default: %(default)s)")
     parser.add_argument(
-        "--budgets", default="32,64", help="fixed budgets; the largest is the cap (default: %(default)s)"
+        "--budgets",
+        default="32,64",
+        help="fixed budgets, 0 for plain decoding (ar); the largest is the cap (default: %(default)s)",
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
     parser.add_argument(
@@ -123,7 +131,13 @@ def main() -> None:
     policy = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer).budget_policy
     for concurrency in levels:
         engines = {
-            f"fixed-{b}": _engine(base.model_copy(update={"budget": b}), "fixed", target, drafter, tokenizer)
+            "ar" if b == 0 else f"fixed-{b}": _engine(
+                base if b == 0 else base.model_copy(update={"budget": b}),
+                "fixed",
+                target,
+                None if b == 0 else drafter,
+                tokenizer,
+            )
             for b in budgets
         }
         engines["adaptive"] = SpecEngine(
