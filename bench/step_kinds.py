@@ -81,10 +81,10 @@ def run(
         kinds.append(kind)
         steps[kind].append(ms)
         if kind != "p":
-            last = None if policy is None else policy.last_step
             if policy is None:
                 ceiling = 0 if engine.settings.mode == "ar" else engine.settings.budget
             else:
+                last = policy.last_step
                 ceiling = 0 if last is None else last.ceiling
             totals = by_bucket.setdefault((batch_bucket(batch_size), ceiling), [0.0, 0.0, 0.0])
             for i, value in enumerate((1, made, ms)):
@@ -129,17 +129,17 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     base, target, drafter, tokenizer, prompts = live_pair(args, max(budgets), max(levels))
     policy = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer).budget_policy
+
+    def fixed_or_plain(budget: int) -> tuple[str, SpecEngine]:
+        """A fixed budget's engine by name, or plain decoding's (`ar`) for budget 0."""
+        if budget == 0:
+            return "ar", _engine(base, "ar", target, None, tokenizer)
+        return f"fixed-{budget}", _engine(
+            base.model_copy(update={"budget": budget}), "fixed", target, drafter, tokenizer
+        )
+
     for concurrency in levels:
-        engines = {
-            "ar" if b == 0 else f"fixed-{b}": _engine(
-                base if b == 0 else base.model_copy(update={"budget": b}),
-                "fixed",
-                target,
-                None if b == 0 else drafter,
-                tokenizer,
-            )
-            for b in budgets
-        }
+        engines = dict(fixed_or_plain(budget) for budget in budgets)
         engines["adaptive"] = SpecEngine(
             _settings(base, "adaptive", None), target, drafter, tokenizer, budget_policy=policy
         )
