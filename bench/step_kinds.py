@@ -22,9 +22,18 @@ ran 5 steps at batch 1 to fixed-32's 3, and lost the run by 6%).
 
 `--budgets 0,8` sets plain decoding (`ar`) beside fixed-8: where the gate decodes plainly, its
 plain steps (cruising `c`, deciding `d`) and its probes read against `ar`'s own.
+
+`--variant SETTINGS` (repeatable) adds an adaptive engine whose draft gate is built with other
+settings (`DraftGate`'s: `probe_interval`, `curve_weight`, `probe_share`, `near_best_ms`), beside
+the default one, in the same rounds: an A/B of a setting on one device in one process, e.g. the
+band's step-time tolerance at c = 8:
+
+    python bench/step_kinds.py --device cuda --dtype bfloat16 --concurrency 8 --budgets 8,32,64 \
+        --variant near_best_ms=0.08 --variant near_best_ms=0.10
 """
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -35,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from budget_sweep import _engine, _settings, add_pair_arguments, live_pair
 
+from ddtree_serve.engine.budget.draft_gate import DraftGate
 from ddtree_serve.engine.budget.step_residual import batch_bucket
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
@@ -106,6 +116,33 @@ def kinds_line(steps: dict[str, list[float]]) -> str:
     )
 
 
+def gate_settings(text: str) -> dict[str, float]:
+    """`name=value[,name=value...]` over `DraftGate`'s settings, each cast to its default's type."""
+    defaults = {
+        name: param.default
+        for name, param in inspect.signature(DraftGate.__init__).parameters.items()
+        if name != "self"
+    }
+    settings: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or name not in defaults:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected name=value with name one of {', '.join(defaults)}"
+            )
+        try:
+            settings[name] = type(defaults[name])(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: {value!r} is not a {type(defaults[name]).__name__}"
+            ) from None
+    try:
+        DraftGate(**settings)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+    return settings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -124,11 +161,31 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=10, help="timed rounds per level (default: %(default)s)"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=gate_settings,
+        metavar="SETTINGS",
+        help="an adaptive engine with these draft-gate settings beside the default one, e.g. "
+        "near_best_ms=0.08 (repeatable; default: none)",
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
     base, target, drafter, tokenizer, prompts = live_pair(args, max(budgets), max(levels))
-    policy = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer).budget_policy
+
+    def adaptive_policy(gate: dict[str, float] | None = None):
+        """A calibrated policy that lives through every level, as in the sweep; `gate`: its draft
+        gate's settings (None: the default gate)."""
+        policy = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer).budget_policy
+        if gate is not None:
+            policy.gate = DraftGate(**gate)
+        return policy
+
+    policies = {"adaptive": adaptive_policy()}
+    for settings in args.variant:
+        policies["adaptive " + ",".join(f"{k}={v}" for k, v in settings.items())] = adaptive_policy(settings)
 
     def fixed_or_plain(budget: int) -> tuple[str, SpecEngine]:
         """A fixed budget's engine by name, or plain decoding's (`ar`) for budget 0."""
@@ -140,9 +197,10 @@ def main() -> None:
 
     for concurrency in levels:
         engines = dict(fixed_or_plain(budget) for budget in budgets)
-        engines["adaptive"] = SpecEngine(
-            _settings(base, "adaptive", None), target, drafter, tokenizer, budget_policy=policy
-        )
+        for name, policy in policies.items():
+            engines[name] = SpecEngine(
+                _settings(base, "adaptive", None), target, drafter, tokenizer, budget_policy=policy
+            )
         names = list(engines)
         for warmup in range(args.warmup_runs):
             for name in names:
@@ -151,7 +209,7 @@ def main() -> None:
         rates: dict[str, list[float]] = {name: [] for name in names}
         steps: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in names}
         by_bucket: dict[str, BucketSteps] = {name: {} for name in names}
-        kinds: list[str] = []
+        kinds: dict[str, list[str]] = {name: [] for name in policies}
         for round_ in range(args.rounds):
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 tag = f"{concurrency}-{round_}-{name}"
@@ -159,21 +217,23 @@ def main() -> None:
                     engines[name], tag, prompts, concurrency, args.max_tokens, steps[name], by_bucket[name]
                 )
                 rates[name].append(rate)
-                if name == "adaptive":
-                    kinds.append(run_kinds)
-        fixed = [name for name in names if name != "adaptive"]
+                if name in policies:
+                    kinds[name].append(run_kinds)
+        fixed = [name for name in names if name not in policies]
         best = max(fixed, key=lambda name: statistics.median(rates[name]))
-        paired = [a / b for a, b in zip(rates["adaptive"], rates[best], strict=True)]
         print(
             f"c = {concurrency}: " + ", ".join(f"{n} {statistics.median(rates[n]):.0f} tok/s" for n in names)
         )
-        print(
-            f"  adaptive / {best}, round by round: median {statistics.median(paired):.3f}, "
-            f"mean {statistics.fmean(paired):.3f} (range {min(paired):.3f}-{max(paired):.3f})"
-        )
-        for name in ("adaptive", best):
+        for name in policies:
+            paired = [a / b for a, b in zip(rates[name], rates[best], strict=True)]
+            print(
+                f"  {name} / {best}, round by round: median {statistics.median(paired):.3f}, "
+                f"mean {statistics.fmean(paired):.3f} (range {min(paired):.3f}-{max(paired):.3f})"
+            )
+        for name in [*policies, best]:
             print(f"  {name} steps, median / mean ms (count): {kinds_line(steps[name])}")
-        print(f"  adaptive runs' steps: {' '.join(kinds[:RUNS_SHOWN])}")
+        for name in policies:
+            print(f"  {name} runs' steps: {' '.join(kinds[name][:RUNS_SHOWN])}")
         for name in names:
             print(f"  {name} by (batch bucket, ceiling): {buckets_line(by_bucket[name])}")
         sys.stdout.flush()

@@ -316,12 +316,13 @@ def test_the_band_takes_a_wider_ceiling_only_at_a_few_percent_more_step_time(mon
     """64 is predicted at 97% of 32's rate, within `NEAR_BEST_RATE`, and its own steps measured
     its step time: the gate takes 64 where that step is 3% dearer than 32's, and keeps 32 where
     it is 8% dearer (at batch 5-8 on the H100 and the H200 64's step is 7-12% over 32's, for a
-    few percent more tokens: `NEAR_BEST_MS`)."""
+    few percent more tokens: `NEAR_BEST_MS`). A gate set to a 10% band takes 64 at 8% too, one
+    set to none keeps 32 at 3%."""
     cost = linear_curve(fixed_ms=4.0, per_token_ms=0.0, draft_ms=1.0)
     plain = plain_decode_rate(8, cost)
 
-    def choice(extra_ms_share: float) -> int:
-        gate = DraftGate(probe_interval=1024)
+    def choice(extra_ms_share: float, near_best_ms: float = draft_gate.NEAR_BEST_MS) -> int:
+        gate = DraftGate(probe_interval=1024, near_best_ms=near_best_ms)
         record_curve(gate, CONFIDENT)
         gate.residual.observe(8, 64, predicted_ms=5.0, measured_ms=5.0)  # 64's own steps, measured
         measured_ms = np.array([5.0, 5.0, 5.0 * (1.0 + extra_ms_share)])
@@ -331,6 +332,9 @@ def test_the_band_takes_a_wider_ceiling_only_at_a_few_percent_more_step_time(mon
         return gate.ceiling([64] * 8, cost, FREE_BUILD, "padded")
 
     assert (choice(0.03), choice(0.08)) == (64, 32)
+    assert (choice(0.08, near_best_ms=0.10), choice(0.03, near_best_ms=0.0)) == (64, 32)
+    with pytest.raises(ValueError, match="near_best_ms"):
+        DraftGate(near_best_ms=-0.01)
 
 
 def test_drafting_is_judged_by_its_best_rate_and_the_wider_choice_still_beats_a_plain_step(monkeypatch):

@@ -165,14 +165,23 @@ class DraftGate:
     drafted step's lesson (the policy's `learn`), `record_step_ms` after each step."""
 
     def __init__(
-        self, probe_interval: int = 16, curve_weight: float = 0.3, probe_share: float = PROBE_SHARE
+        self,
+        probe_interval: int = 16,
+        curve_weight: float = 0.3,
+        probe_share: float = PROBE_SHARE,
+        near_best_ms: float = NEAR_BEST_MS,
     ) -> None:
-        """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone)."""
-        if probe_interval < 1 or not 0.0 < curve_weight <= 1.0 or probe_share < 0.0:
-            raise ValueError("need probe_interval >= 1, curve_weight in (0, 1] and probe_share >= 0")
+        """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone).
+        `near_best_ms`: see `NEAR_BEST_MS` (0: a wider ceiling than the best only at no more
+        measured step time); a setting so a benchmark can A/B it on one device."""
+        if probe_interval < 1 or not 0.0 < curve_weight <= 1.0 or probe_share < 0.0 or near_best_ms < 0.0:
+            raise ValueError(
+                "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0 and near_best_ms >= 0"
+            )
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
         self.probe_share = probe_share
+        self.near_best_ms = near_best_ms
         self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
         # [positions] recent mean of calibrated over calibrated mean (1 where `record_curve` is
         # given no calibration: its probabilities are acceptance already)
@@ -321,7 +330,9 @@ class DraftGate:
             # beats a plain step.
             drafted_rate = float(np.max(rates))
             own_steps = np.array([self.residual.measured(batch_size, c) for c in candidates])
-            drafted = candidates[_widest_near_best(rates, measured_ms, own_steps, plain_rate)]
+            drafted = candidates[
+                _widest_near_best(rates, measured_ms, own_steps, plain_rate, self.near_best_ms)
+            ]
             best = drafted if drafted_rate > plain_rate or learning else 0
             plain_close = drafted_rate <= PLAIN_PROBE_MAX_GAIN * plain_rate
         predicted_ms[0], predicted_tokens[0] = plain_ms, float(batch_size)
@@ -701,17 +712,17 @@ class DraftGate:
 
 
 def _widest_near_best(
-    rates: np.ndarray, measured_ms: np.ndarray, own_steps: np.ndarray, plain_rate: float
+    rates: np.ndarray, measured_ms: np.ndarray, own_steps: np.ndarray, plain_rate: float, near_best_ms: float
 ) -> int:
     """The index of the drafting choice among the candidates: the best predicted rate (the
     narrowest of equal ones), or the widest candidate within `NEAR_BEST_RATE` of it, above
-    `plain_rate`, whose step is at most `NEAR_BEST_MS` dearer as its own steps measured it
-    (`own_steps`: whether they did)."""
+    `plain_rate`, whose step is at most `near_best_ms` (a share, `NEAR_BEST_MS` by default)
+    dearer as its own steps measured it (`own_steps`: whether they did)."""
     pick = int(np.argmax(rates))
     near = (
         (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick])
         & (rates > plain_rate)
-        & (measured_ms <= (1.0 + NEAR_BEST_MS) * measured_ms[pick])
+        & (measured_ms <= (1.0 + near_best_ms) * measured_ms[pick])
         & own_steps
     )
     near[pick] = True  # the best itself, whatever its rate (a NaN compares false)
