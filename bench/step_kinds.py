@@ -24,11 +24,11 @@ ran 5 steps at batch 1 to fixed-32's 3, and lost the run by 6%).
 plain steps (cruising `c`, deciding `d`) and its probes read against `ar`'s own.
 
 `--variant SETTINGS` (repeatable) adds an adaptive engine whose draft gate is built with other
-settings (`DraftGate`'s: `probe_interval`, `curve_weight`, `probe_share`, `near_best_ms`), beside
-the default one, in the same rounds: an A/B of a setting on one device in one process, e.g. the
-band's step-time tolerance at c = 8:
+settings (`DraftGate`'s: `probe_interval`, `curve_weight`, `probe_share`, `near_best_ms`,
+`drain_hold`), beside the default one, in the same rounds: an A/B of a setting on one device in
+one process, e.g. the band's step-time tolerance at c = 8:
 
-    python bench/step_kinds.py --device cuda --dtype bfloat16 --concurrency 8 --budgets 8,32,64 \
+    python bench/step_kinds.py --device cuda --dtype bfloat16 --concurrency 8 --budgets 8,32,64 \\
         --variant near_best_ms=0.08 --variant near_best_ms=0.10
 """
 
@@ -116,6 +116,16 @@ def kinds_line(steps: dict[str, list[float]]) -> str:
     )
 
 
+def _setting_value(default: object, text: str) -> object:
+    """`text` as the type of a setting's default; a bool reads 0/1/false/true (`bool("0")` is
+    True)."""
+    if isinstance(default, bool):
+        if text.lower() not in ("0", "1", "false", "true"):
+            raise ValueError(text)
+        return text.lower() in ("1", "true")
+    return type(default)(text)
+
+
 def gate_settings(text: str) -> dict[str, float]:
     """`name=value[,name=value...]` over `DraftGate`'s settings, each cast to its default's type."""
     defaults = {
@@ -131,7 +141,7 @@ def gate_settings(text: str) -> dict[str, float]:
                 f"{item!r}: expected name=value with name one of {', '.join(defaults)}"
             )
         try:
-            settings[name] = type(defaults[name])(value)
+            settings[name] = _setting_value(defaults[name], value)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{item!r}: {value!r} is not a {type(defaults[name]).__name__}"

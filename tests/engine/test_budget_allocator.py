@@ -21,7 +21,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
 )
 from ddtree_serve.engine.budget.allocator import TRIM_MIN_GAIN, allocate_padded_rows, ceiling_rates
-from ddtree_serve.engine.budget.draft_gate import PROBE_SHARE
+from ddtree_serve.engine.budget.draft_gate import PROBE_SHARE, recheck_steps
 from ddtree_serve.engine.budget.policy import (
     CALIBRATION_STEPS,
     CRUISE_LESSON_BATCH,
@@ -261,6 +261,35 @@ def test_a_drafting_streak_holds_as_its_batch_drains_and_decides_when_it_grows()
         assert gate._streak_batch == 4  # the streak is still the one decided at batch 4
     gate.ceiling([8] * 8, cheap_drafter, FREE_BUILD, "padded")
     assert gate._streak_batch == 8 and not gate.held  # grown past its bucket: decided anew
+
+
+def first_decision_after_a_streak(gate: DraftGate, batches: list[int]) -> int | None:
+    """The step (counted from the one after a streak's decision at batch 8) at which `gate`
+    decides again, the batch at each step as given (None: it held them all)."""
+    cheap_drafter = linear_curve(fixed_ms=5.0, per_token_ms=0.1, draft_ms=0.5)
+    gate.ceiling([8] * 8, cheap_drafter, FREE_BUILD, "padded")
+    record_curve(gate, *[CONFIDENT] * 8)
+    assert gate.ceiling([8] * 8, cheap_drafter, FREE_BUILD, "padded") > 0  # decides: the streak
+    gate.drafted_probe_interval = gate.probe_interval
+    for step, batch_size in enumerate(batches):
+        gate.ceiling([8] * batch_size, cheap_drafter, FREE_BUILD, "padded")
+        if not gate.kept:  # a held step keeps the streak's choice; a deciding one does not
+            return step
+    return None
+
+
+def test_a_drained_streak_holds_past_its_recheck_only_with_drain_hold_and_while_none_joins():
+    """A closed batch's tail: 8 requests for 10 steps, then 3, then 1. The streak decided at
+    batch 8 rechecks once 16 steps held (`recheck_steps(8)`), its probe due at the same step: by
+    default it decides there, on the tail. With `drain_hold` a batch that only drained holds
+    until `recheck_steps` of the batch now (64 steps at batch 1); a request joining (1 -> 2)
+    ends that, and the streak decides at its own recheck."""
+    tail = [8] * 10 + [3] * 4 + [1] * 60
+    assert recheck_steps(8) == 16 and recheck_steps(1) == 64
+    assert first_decision_after_a_streak(DraftGate(probe_interval=16), tail) == 16
+    assert first_decision_after_a_streak(DraftGate(probe_interval=16, drain_hold=True), tail) == 64
+    joined = [8] * 10 + [3] * 4 + [1] * 2 + [2] * 50
+    assert first_decision_after_a_streak(DraftGate(probe_interval=16, drain_hold=True), joined) == 16
 
 
 def test_the_first_ceiling_is_the_widest_that_costs_a_few_plain_steps():

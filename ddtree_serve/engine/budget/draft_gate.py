@@ -170,10 +170,14 @@ class DraftGate:
         curve_weight: float = 0.3,
         probe_share: float = PROBE_SHARE,
         near_best_ms: float = NEAR_BEST_MS,
+        drain_hold: bool = False,
     ) -> None:
         """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone).
         `near_best_ms`: see `NEAR_BEST_MS` (0: a wider ceiling than the best only at no more
-        measured step time); a setting so a benchmark can A/B it on one device."""
+        measured step time); a setting so a benchmark can A/B it on one device.
+        `drain_hold`: a drafting streak whose batch has only drained since its decision keeps
+        its choice past its recheck and its probe until `recheck_steps` of the batch now
+        (`_drained_limit`)."""
         if probe_interval < 1 or not 0.0 < curve_weight <= 1.0 or probe_share < 0.0 or near_best_ms < 0.0:
             raise ValueError(
                 "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0 and near_best_ms >= 0"
@@ -182,6 +186,7 @@ class DraftGate:
         self.curve_weight = curve_weight
         self.probe_share = probe_share
         self.near_best_ms = near_best_ms
+        self.drain_hold = drain_hold
         self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
         # [positions] recent mean of calibrated over calibrated mean (1 where `record_curve` is
         # given no calibration: its probabilities are acceptance already)
@@ -223,6 +228,10 @@ class DraftGate:
         self._streak_age = 0
         self._streak_ms = 0.0
         self._streak_batch = 0  # the batch size the streak was decided at
+        # The streak's batch size now, and whether it has only drained since its decision (no
+        # request joined): a drained streak may hold longer (`drain_hold`).
+        self._streak_batch_now = 0
+        self._streak_drained = True
         self._streak_prices = (0.0, 0.0)  # plain step and drafter call, predicted when decided
         self._streak_turns = 1  # the probe directions that apply to a drafting streak's choice
         self.residual = StepResidual()
@@ -287,6 +296,7 @@ class DraftGate:
         streak = (batch_bucket(batch_size), batch_bucket(cap))
         holds = False
         if self._in_streak(streak):
+            self._track_batch(batch_size)
             at_batch = batch_size == self._streak_batch or self._streak_choice == 0
             holds = self._streak_holds(
                 *((plain_ms, draft_ms) if at_batch else _prices(self._streak_batch, cost, overhead))
@@ -378,6 +388,7 @@ class DraftGate:
         self._streak = streak if resumes and self._decided is not None else None
         choice = best if self.probing_neighbour else chosen
         self._streak_choice, self._streak_age, self._streak_batch = choice, 0, batch_size
+        self._streak_batch_now, self._streak_drained = batch_size, True
         self._streak_ms = predicted_ms.get(choice, 0.0)
         self._streak_tokens = predicted_tokens.get(choice, 0.0)
         self._streak_narrower = _below(predicted_tokens, choice)
@@ -410,6 +421,8 @@ class DraftGate:
         this step kept a drafting choice)."""
         if not self.kept or self._streak is None:
             return 0
+        if self._holds_drained():
+            return max(0, recheck_steps(self._streak_batch_now) - self._streak_age)
         return max(
             0,
             min(
@@ -445,12 +458,14 @@ class DraftGate:
             choice, forecast = self._streak_choice, self._streak_tokens
             self._teach_tokens(batch_size, choice, forecast, tokens, tokens_within, self._streak_narrower)
 
-    def hold_unchecked(self, plain: bool = False) -> None:
-        """A step that kept the streak's choice without asking (`steps_held_ahead`,
-        `plain_steps_held_ahead`): it counts toward the recheck and the probe as a held step
-        does. A `plain` one also ages the ratios as the plain step it stands for would have
-        (`record_step_ms`): a gate that turned plain on drafted steps that made little tries
-        drafting again as they fade, and plain cruises are most of a plain streak's steps."""
+    def hold_unchecked(self, batch_size: int, plain: bool = False) -> None:
+        """A step at this batch size that kept the streak's choice without asking
+        (`steps_held_ahead`, `plain_steps_held_ahead`): it counts toward the recheck and the
+        probe as a held step does. A `plain` one also ages the ratios as the plain step it
+        stands for would have (`record_step_ms`): a gate that turned plain on drafted steps that
+        made little tries drafting again as they fade, and plain cruises are most of a plain
+        streak's steps."""
+        self._track_batch(batch_size)
         self.steps_since_probe += 1
         self._streak_age += 1
         if plain:
@@ -481,8 +496,29 @@ class DraftGate:
         if self._streak_choice == 0:
             interval = self.plain_probe_interval(self._streak_batch)
             return self.steps_since_probe < interval and not moved[0]
+        if self._holds_drained():
+            return not any(moved) and self._streak_age < recheck_steps(self._streak_batch_now)
         due = self.steps_since_probe >= self._drafted_interval(self._streak_turns)
         return not due and not any(moved) and self._streak_age < recheck_steps(self._streak_batch)
+
+    def _track_batch(self, batch_size: int) -> None:
+        """A step of the streak under way at this batch size (held, cruising or deciding)."""
+        if batch_size > self._streak_batch_now:
+            self._streak_drained = False
+        self._streak_batch_now = batch_size
+
+    def _holds_drained(self) -> bool:
+        """Whether the drafting streak under way keeps its choice past its recheck and its probe
+        (`drain_hold`): its batch has only drained since it was decided, requests finishing and
+        none joining, as at the tail of a closed batch. Its limit is then `recheck_steps` of the
+        batch now, which grows as the batch drains (a step of fewer requests teaches the curve
+        less)."""
+        return (
+            self.drain_hold
+            and self._streak_choice > 0
+            and self._streak_drained
+            and self._streak_batch_now < self._streak_batch
+        )
 
     def _probe_ceiling(self, best: int, options: dict[str, int]) -> int:
         """A drafting probe's ceiling, the directions taken in turn (`PROBE_TURNS`): twice the
