@@ -6,8 +6,10 @@ H100 its adaptive cruising step read 0.19 ms over fixed-64's at batch 1, where t
 engine's steps by what they were: `c` a cruising step (`AdaptiveBudget.cruise_width`), `d` one
 that planned (a decision, a probe, a held or settled step), `p` a run's first step (its prefill
 too); fixed budgets' steps are `f` or `p`. Runs are closed batches of `--concurrency` requests of
-`--max-tokens` greedy tokens, the engines taken round-robin (each round one engine later) after
-`--warmup-runs` untimed rounds; one adaptive policy lives through all levels, as in the sweep.
+`--max-tokens` greedy tokens, or with `--requests-per-slot N` the concurrency held as the sweep
+holds it (each step that prefills a joining request a `p`), the engines taken round-robin (each
+round one engine later) after `--warmup-runs` untimed rounds; one adaptive policy lives through
+all levels, as in the sweep.
 
 Per level it prints each engine's median tokens/s, the adaptive runs' tokens/s over the best
 fixed budget's round by round (median, mean, range), each kind's median and mean step time with
@@ -64,15 +66,22 @@ def run(
     max_tokens: int,
     steps: dict[str, list[float]],
     by_bucket: BucketSteps,
+    requests_per_slot: int = 1,
 ) -> tuple[float, str]:
-    """One closed run of `concurrency` requests over `prompts` (token ids, in turn): its
-    tokens/s and its steps' kinds in order; each step's ms added to `steps[kind]`, and each
-    step after the first (whose time holds the prefill) to `by_bucket` at its batch's bucket and
-    its ceiling (a fixed budget's own; an adaptive step's, 0 for a plain one)."""
+    """One run of `concurrency` requests over `prompts` (token ids, in turn): its tokens/s and
+    its steps' kinds in order; each step's ms added to `steps[kind]`, and each step without a
+    prefill to `by_bucket` at its batch's bucket and its ceiling (a fixed budget's own; an
+    adaptive step's, 0 for a plain one). `requests_per_slot` > 1 holds the concurrency as the
+    sweep does (`budget_sweep.tokens_per_s`: a finished request's slot takes the next, the first
+    wave's lengths staggered); a step that prefills a request joining (`p`) is its own kind."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(concurrency):
-        engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
-    num_tokens, kinds = 0, []
+        first_tokens = max(1, max_tokens * (i + 1) // concurrency) if requests_per_slot > 1 else max_tokens
+        engine.add_request(
+            f"{tag}-{i}", prompts[i % len(prompts)], SamplingParams(max_tokens=first_tokens, ignore_eos=True)
+        )
+    added, total = concurrency, concurrency * requests_per_slot
+    num_tokens, kinds, joined = 0, [], True
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         batch_size = engine.num_running
@@ -82,7 +91,7 @@ def run(
         made = sum(out.num_new_tokens for out in outputs)
         num_tokens += made
         policy = engine.budget_policy
-        if not kinds:
+        if joined:
             kind = "p"
         elif policy is None:
             kind = "f"
@@ -99,6 +108,11 @@ def run(
             totals = by_bucket.setdefault((batch_bucket(batch_size), ceiling), [0.0, 0.0, 0.0])
             for i, value in enumerate((1, made, ms)):
                 totals[i] += value
+        joining = min(sum(out.finished for out in outputs), total - added)
+        for _ in range(joining):
+            engine.add_request(f"{tag}-{added}", prompts[added % len(prompts)], params)
+            added += 1
+        joined = joining > 0
     return num_tokens / (time.perf_counter() - started), "".join(kinds)
 
 
@@ -172,6 +186,14 @@ def main() -> None:
         "--rounds", type=int, default=10, help="timed rounds per level (default: %(default)s)"
     )
     parser.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=1,
+        help="requests each slot runs in turn per run, as the sweep's (1: one closed batch; more: "
+        "the concurrency held, each step that prefills a joining request a `p`) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -215,7 +237,16 @@ def main() -> None:
         for warmup in range(args.warmup_runs):
             for name in names:
                 tag = f"w{concurrency}-{warmup}-{name}"
-                run(engines[name], tag, prompts, concurrency, args.max_tokens, defaultdict(list), {})
+                run(
+                    engines[name],
+                    tag,
+                    prompts,
+                    concurrency,
+                    args.max_tokens,
+                    defaultdict(list),
+                    {},
+                    args.requests_per_slot,
+                )
         rates: dict[str, list[float]] = {name: [] for name in names}
         steps: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in names}
         by_bucket: dict[str, BucketSteps] = {name: {} for name in names}
@@ -224,7 +255,14 @@ def main() -> None:
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 tag = f"{concurrency}-{round_}-{name}"
                 rate, run_kinds = run(
-                    engines[name], tag, prompts, concurrency, args.max_tokens, steps[name], by_bucket[name]
+                    engines[name],
+                    tag,
+                    prompts,
+                    concurrency,
+                    args.max_tokens,
+                    steps[name],
+                    by_bucket[name],
+                    args.requests_per_slot,
                 )
                 rates[name].append(rate)
                 if name in policies:
