@@ -421,6 +421,18 @@ def _engine(config: EngineConfig, policy: str, target, drafter, tokenizer) -> Sp
     return SpecEngine(_settings(config, policy, None), target, drafter, tokenizer)
 
 
+def first_wave(concurrency: int, max_tokens: int, requests_per_slot: int) -> list[SamplingParams]:
+    """The first request of each slot (`tokens_per_s`): `max_tokens` each in a closed batch;
+    held (`requests_per_slot` > 1), slot i's makes `max_tokens * (i + 1) // concurrency`."""
+    return [
+        SamplingParams(
+            max_tokens=max(1, max_tokens * (i + 1) // concurrency) if requests_per_slot > 1 else max_tokens,
+            ignore_eos=True,
+        )
+        for i in range(concurrency)
+    ]
+
+
 def tokens_per_s(
     engine: SpecEngine,
     prompts: list[list[int]],
@@ -441,9 +453,7 @@ def tokens_per_s(
     (a forward of a few prompts costs 1.2-1.5 ms in the H200's cost file, its batch-1 floor);
     1: one closed batch, run until its last request finishes."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i in range(concurrency):
-        first_tokens = max(1, max_tokens * (i + 1) // concurrency) if requests_per_slot > 1 else max_tokens
-        first = SamplingParams(max_tokens=first_tokens, ignore_eos=True)
+    for i, first in enumerate(first_wave(concurrency, max_tokens, requests_per_slot)):
         engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], first)
     added, total = concurrency, concurrency * requests_per_slot
     started = time.perf_counter()

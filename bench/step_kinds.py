@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget_sweep import _engine, _settings, add_pair_arguments, live_pair
+from budget_sweep import _engine, _settings, add_pair_arguments, first_wave, live_pair
 
 from ddtree_serve.engine.budget.draft_gate import DraftGate
 from ddtree_serve.engine.budget.step_residual import batch_bucket
@@ -75,11 +75,8 @@ def run(
     sweep does (`budget_sweep.tokens_per_s`: a finished request's slot takes the next, the first
     wave's lengths staggered); a step that prefills a request joining (`p`) is its own kind."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i in range(concurrency):
-        first_tokens = max(1, max_tokens * (i + 1) // concurrency) if requests_per_slot > 1 else max_tokens
-        engine.add_request(
-            f"{tag}-{i}", prompts[i % len(prompts)], SamplingParams(max_tokens=first_tokens, ignore_eos=True)
-        )
+    for i, first in enumerate(first_wave(concurrency, max_tokens, requests_per_slot)):
+        engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], first)
     added, total = concurrency, concurrency * requests_per_slot
     num_tokens, kinds, joined = 0, [], True
     started = time.perf_counter()
