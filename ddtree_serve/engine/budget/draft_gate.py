@@ -73,6 +73,17 @@ Rechecking every 8 steps (32 requests) had a third of the adaptive steps at c = 
 H100 (`bench/virtual_device.py`) decide or weigh, each 0.3-0.7 ms over a fixed budget's step;
 at 16 (64 requests) c = 1-16 rose from 0.91-0.95 of the best fixed budget to 0.92-0.96 there."""
 
+DRAINED_EXTRA_STEPS = 8
+"""With `DraftGate(drain_hold=True)`, a drafting streak whose batch has only drained since its
+decision (requests finishing, none joining) holds this many steps past its recheck and its probe.
+A closed wave's recheck falls on its tail: on the virtual H100 (`bench/virtual_device.py`) at
+c = 8 a 64-token run takes 20 steps, and the recheck at 16 decided at batch 3-4, then at batch 1
+decided again and armed a cruise the run did not have (`pdccccccccccccccdddd`), each decision
+0.3-0.8 ms over a cruising step; and the tail's one-request trees, which its decisions and
+probes teach the curve, are what the next wave's first decision reads. A tail longer than
+this decides, at the batch then: one request left alone for hundreds of steps should not keep
+a choice made for eight."""
+
 RECHECK_REQUESTS = 64
 """... and after its steps held this many requests between them: at batch 1 a step teaches one
 request's tree, so eight of them move the curve little, while the decision costs what it costs
@@ -176,8 +187,8 @@ class DraftGate:
         `near_best_ms`: see `NEAR_BEST_MS` (0: a wider ceiling than the best only at no more
         measured step time); a setting so a benchmark can A/B it on one device.
         `drain_hold`: a drafting streak whose batch has only drained since its decision keeps
-        its choice past its recheck and its probe until `recheck_steps` of the batch now
-        (`_drained_limit`)."""
+        its choice past its recheck and its probe, `DRAINED_EXTRA_STEPS` more
+        (`_holds_drained`)."""
         if probe_interval < 1 or not 0.0 < curve_weight <= 1.0 or probe_share < 0.0 or near_best_ms < 0.0:
             raise ValueError(
                 "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0 and near_best_ms >= 0"
@@ -422,7 +433,7 @@ class DraftGate:
         if not self.kept or self._streak is None:
             return 0
         if self._holds_drained():
-            return max(0, recheck_steps(self._streak_batch_now) - self._streak_age)
+            return max(0, self._drained_recheck - self._streak_age)
         return max(
             0,
             min(
@@ -497,7 +508,7 @@ class DraftGate:
             interval = self.plain_probe_interval(self._streak_batch)
             return self.steps_since_probe < interval and not moved[0]
         if self._holds_drained():
-            return not any(moved) and self._streak_age < recheck_steps(self._streak_batch_now)
+            return not any(moved) and self._streak_age < self._drained_recheck
         due = self.steps_since_probe >= self._drafted_interval(self._streak_turns)
         return not due and not any(moved) and self._streak_age < recheck_steps(self._streak_batch)
 
@@ -507,12 +518,15 @@ class DraftGate:
             self._streak_drained = False
         self._streak_batch_now = batch_size
 
+    @property
+    def _drained_recheck(self) -> int:
+        """The steps a drained streak holds (`_holds_drained`)."""
+        return recheck_steps(self._streak_batch) + DRAINED_EXTRA_STEPS
+
     def _holds_drained(self) -> bool:
         """Whether the drafting streak under way keeps its choice past its recheck and its probe
         (`drain_hold`): its batch has only drained since it was decided, requests finishing and
-        none joining, as at the tail of a closed batch. Its limit is then `recheck_steps` of the
-        batch now, which grows as the batch drains (a step of fewer requests teaches the curve
-        less)."""
+        none joining, as at the tail of a closed batch (`DRAINED_EXTRA_STEPS`)."""
         return (
             self.drain_hold
             and self._streak_choice > 0
