@@ -82,7 +82,10 @@ decided again and armed a cruise the run did not have (`pdccccccccccccccdddd`), 
 0.3-0.8 ms over a cruising step; and the tail's one-request trees, which its decisions and
 probes teach the curve, are what the next wave's first decision reads. A tail longer than
 this decides, at the batch then: one request left alone for hundreds of steps should not keep
-a choice made for eight."""
+a choice made for eight. Off by default: A/B'd there against two copies of the default in one
+process, closed c = 8 at 64 tokens read 0.935-0.951 of fixed-32 against 0.902-0.933, c = 1-4
+and 16 stayed within the copies' spread, and 256-token runs gained nothing
+(`bench/results/budget_sweep_h200.md`, forty-first session); not yet measured on a GPU."""
 
 RECHECK_REQUESTS = 64
 """... and after its steps held this many requests between them: at batch 1 a step teaches one
