@@ -421,16 +421,39 @@ def _engine(config: EngineConfig, policy: str, target, drafter, tokenizer) -> Sp
     return SpecEngine(_settings(config, policy, None), target, drafter, tokenizer)
 
 
-def first_wave(concurrency: int, max_tokens: int, requests_per_slot: int) -> list[SamplingParams]:
-    """The first request of each slot (`tokens_per_s`): `max_tokens` each in a closed batch;
-    held (`requests_per_slot` > 1), slot i's makes `max_tokens * (i + 1) // concurrency`."""
-    return [
-        SamplingParams(
-            max_tokens=max(1, max_tokens * (i + 1) // concurrency) if requests_per_slot > 1 else max_tokens,
-            ignore_eos=True,
-        )
-        for i in range(concurrency)
-    ]
+class SlotLoad:
+    """A run's requests over `prompts` (token ids, in turn), added to `engine` as `tokens_per_s`
+    describes: `concurrency` at once (staggered when held), then, held (`requests_per_slot` > 1),
+    each finished request's slot takes the next until `concurrency * requests_per_slot` have run."""
+
+    def __init__(
+        self,
+        engine: SpecEngine,
+        prompts: list[list[int]],
+        concurrency: int,
+        max_tokens: int,
+        tag: str,
+        requests_per_slot: int = 1,
+    ) -> None:
+        self.engine, self.prompts, self.tag = engine, prompts, tag
+        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.total = concurrency * requests_per_slot
+        for i in range(concurrency):
+            first_tokens = (
+                max(1, max_tokens * (i + 1) // concurrency) if requests_per_slot > 1 else max_tokens
+            )
+            first = SamplingParams(max_tokens=first_tokens, ignore_eos=True)
+            engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], first)
+        self.added = concurrency
+
+    def refill(self, outputs: list) -> int:
+        """A step's outputs: the next requests take the finished ones' slots; how many joined."""
+        joining = min(sum(out.finished for out in outputs), self.total - self.added)
+        for _ in range(joining):
+            request_id = f"{self.tag}-{self.added}"
+            self.engine.add_request(request_id, self.prompts[self.added % len(self.prompts)], self.params)
+            self.added += 1
+        return joining
 
 
 def tokens_per_s(
@@ -452,19 +475,14 @@ def tokens_per_s(
     `max_tokens` steps, while drafting's spread out and paid a small prefill nearly every step
     (a forward of a few prompts costs 1.2-1.5 ms in the H200's cost file, its batch-1 floor);
     1: one closed batch, run until its last request finishes."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i, first in enumerate(first_wave(concurrency, max_tokens, requests_per_slot)):
-        engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], first)
-    added, total = concurrency, concurrency * requests_per_slot
+    load = SlotLoad(engine, prompts, concurrency, max_tokens, tag, requests_per_slot)
     started = time.perf_counter()
     num_tokens = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         num_tokens += sum(out.num_new_tokens for out in outputs)
         log.steps += 1
-        for _ in range(min(sum(out.finished for out in outputs), total - added)):
-            engine.add_request(f"{tag}-{added}", prompts[added % len(prompts)], params)
-            added += 1
+        load.refill(outputs)
     elapsed = time.perf_counter() - started
     log.tokens += num_tokens
     log.seconds += elapsed

@@ -44,11 +44,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget_sweep import _engine, _settings, add_pair_arguments, first_wave, live_pair
+from budget_sweep import SlotLoad, _engine, _settings, add_pair_arguments, live_pair
 
 from ddtree_serve.engine.budget.draft_gate import DraftGate
 from ddtree_serve.engine.budget.step_residual import batch_bucket
-from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 
 RUNS_SHOWN = 4
@@ -74,10 +73,7 @@ def run(
     adaptive step's, 0 for a plain one). `requests_per_slot` > 1 holds the concurrency as the
     sweep does (`budget_sweep.tokens_per_s`: a finished request's slot takes the next, the first
     wave's lengths staggered); a step that prefills a request joining (`p`) is its own kind."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i, first in enumerate(first_wave(concurrency, max_tokens, requests_per_slot)):
-        engine.add_request(f"{tag}-{i}", prompts[i % len(prompts)], first)
-    added, total = concurrency, concurrency * requests_per_slot
+    load = SlotLoad(engine, prompts, concurrency, max_tokens, tag, requests_per_slot)
     num_tokens, kinds, joined = 0, [], True
     started = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -105,11 +101,7 @@ def run(
             totals = by_bucket.setdefault((batch_bucket(batch_size), ceiling), [0.0, 0.0, 0.0])
             for i, value in enumerate((1, made, ms)):
                 totals[i] += value
-        joining = min(sum(out.finished for out in outputs), total - added)
-        for _ in range(joining):
-            engine.add_request(f"{tag}-{added}", prompts[added % len(prompts)], params)
-            added += 1
-        joined = joining > 0
+        joined = load.refill(outputs) > 0
     return num_tokens / (time.perf_counter() - started), "".join(kinds)
 
 
