@@ -53,6 +53,9 @@ from ddtree_serve.engine.spec_engine import SpecEngine
 RUNS_SHOWN = 4
 """Runs whose step kinds are printed in order, per level."""
 
+GateSetting = int | float | bool
+"""A `DraftGate` setting's value, of its default's type."""
+
 BucketSteps = dict[tuple[int, int], list[float]]
 """(batch bucket, ceiling) -> [steps, tokens, milliseconds] summed."""
 
@@ -119,7 +122,7 @@ def kinds_line(steps: dict[str, list[float]]) -> str:
     )
 
 
-def _setting_value(default: object, text: str) -> object:
+def _setting_value(default: GateSetting, text: str) -> GateSetting:
     """`text` as the type of a setting's default; a bool reads 0/1/false/true (`bool("0")` is
     True)."""
     if isinstance(default, bool):
@@ -129,14 +132,14 @@ def _setting_value(default: object, text: str) -> object:
     return type(default)(text)
 
 
-def gate_settings(text: str) -> dict[str, float]:
+def gate_settings(text: str) -> dict[str, GateSetting]:
     """`name=value[,name=value...]` over `DraftGate`'s settings, each cast to its default's type."""
     defaults = {
         name: param.default
         for name, param in inspect.signature(DraftGate.__init__).parameters.items()
         if name != "self"
     }
-    settings: dict[str, float] = {}
+    settings: dict[str, GateSetting] = {}
     for item in text.split(","):
         name, sep, value = item.partition("=")
         if not sep or name not in defaults:
@@ -196,7 +199,7 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     base, target, drafter, tokenizer, prompts = live_pair(args, max(budgets), max(levels))
 
-    def adaptive_policy(gate: dict[str, float] | None = None):
+    def adaptive_policy(gate: dict[str, GateSetting] | None = None):
         """A calibrated policy that lives through every level, as in the sweep; `gate`: its draft
         gate's settings (None: the default gate)."""
         policy = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer).budget_policy
