@@ -586,9 +586,8 @@ class SpecEngine:
         if policy is None or not policy.cruising:
             return None
         cap = max(r.tree_budget for r in requests)
-        width = policy.cruise_width(len(requests), cap)
-        # A plain cruise drafts nothing to keep.
-        keepable = self._keepable_depths(requests) if width else []
+        keepable = self._keepable_depths(requests)
+        width = policy.cruise_width(len(requests), cap, longest_left=max(keepable) + 1)
         self._cruise_step = None if width is None else _CruiseStep(width, keepable, cap)
         return self._cruise_step
 
@@ -820,8 +819,8 @@ def _padded_to_graphs(trees: TreeBatch, captured: tuple[int, ...] | None) -> Bui
 
 @dataclass(frozen=True)
 class _CruiseStep:
-    """A cruising step's width, its requests' keepable depths (none for a plain cruise's, which
-    drafts nothing) and their widest cap; once built, whether its trees are whole (`whole`)."""
+    """A cruising step's width, its requests' keepable depths and their widest cap; once built,
+    whether its trees are whole (`whole`)."""
 
     width: int
     keepable: list[int]

@@ -21,7 +21,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
 )
 from ddtree_serve.engine.budget.allocator import TRIM_MIN_GAIN, allocate_padded_rows, ceiling_rates
-from ddtree_serve.engine.budget.draft_gate import DRAINED_EXTRA_STEPS, PROBE_SHARE, recheck_steps
+from ddtree_serve.engine.budget.draft_gate import DRAINED_EXTRA_STEPS, PROBE_SHARE, TAIL_STEPS, recheck_steps
 from ddtree_serve.engine.budget.policy import (
     CALIBRATION_STEPS,
     CRUISE_LESSON_BATCH,
@@ -1013,6 +1013,43 @@ def test_a_drafting_cruise_holds_as_its_batch_drains_and_ends_when_it_grows():
     for batch_size, width in ((4, 0), (3, None), (5, None)):
         policy._cruise = _Cruise(0, 0, batch_bucket=4, cap_bucket=16, steps_left=2, batch_size=4)
         assert policy.cruise_width(batch_size, 16) == width
+
+
+def test_a_spent_drafting_cruise_keeps_on_while_its_requests_end_within_the_tail():
+    """A closed wave's recheck falls on its tail, where a decision chooses for a few steps at
+    most: a drafting cruise whose steps are spent keeps cruising while every request ends within
+    `TAIL_STEPS` of its steps (the tokens a request made a step as the streak was forecast);
+    when it ends (a request with more ahead: the next wave), the gate's streak ends with it and
+    its probe count starts over, so the next wave's first step decides and does not probe."""
+    policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
+    gate = policy.gate
+    per_request = 4.0  # the streak forecast 32 tokens a step at batch 8
+    gate._streak, gate._streak_choice, gate._streak_batch, gate._streak_tokens = (8, 16), 16, 8, 32.0
+    gate.steps_since_probe = 20
+    tail = int(TAIL_STEPS * per_request)
+
+    def spent_cruise(width: int = 8, batch_size: int | None = None) -> _Cruise:
+        return _Cruise(width, width, batch_bucket=8, cap_bucket=16, steps_left=0, batch_size=batch_size)
+
+    policy._cruise = spent_cruise()
+    assert policy.cruise_width(3, 16, longest_left=tail + 1) is None  # one request past the tail
+    assert gate._streak == (8, 16) and gate.steps_since_probe == 20  # an ordinary end: the streak stands
+    policy._cruise = spent_cruise()
+    assert policy.cruise_width(3, 16) is None  # no ends known
+    policy._cruise = spent_cruise(width=0, batch_size=3)
+    assert policy.cruise_width(3, 16, longest_left=1) is None  # a plain cruise reads its price anew
+    policy._cruise = spent_cruise()
+    for batch_size, longest_left in ((3, tail), (2, tail - 5), (1, 2)):
+        assert policy.cruise_width(batch_size, 16, longest_left=longest_left) == 8
+        policy.cruised(TreeBatch.root_only([7] * batch_size), [0] * batch_size)
+    assert gate._streak == (8, 16)
+    assert policy.cruise_width(8, 16, longest_left=64) is None  # the next wave
+    assert gate._streak is None and gate.steps_since_probe == 0
+    gate._streak, gate.tail_steps = (8, 16), 0  # no tail: a spent cruise ends
+    policy._cruise = spent_cruise()
+    assert policy.cruise_width(1, 16, longest_left=1) is None and gate._streak == (8, 16)
+    with pytest.raises(ValueError):
+        DraftGate(tail_steps=-1)
 
 
 def test_a_settled_steps_forecast_is_worked_out_when_read_with_the_map_it_was_chosen_with(monkeypatch):

@@ -380,6 +380,37 @@ def test_a_drafting_streak_holds_while_its_batch_drains(make_pair_config, prompt
             assert depth > 0 or nodes == accepted == 0
 
 
+def test_a_waves_tail_cruises_to_its_end_and_the_next_wave_decides(make_pair_config, prompt_ids, cost_files):
+    """Every request of a closed wave ending within the gate's tail (`TAIL_STEPS`), a drafting
+    cruise whose steps are spent keeps cruising to the wave's end instead of deciding for the
+    few steps left; the next wave's first step decides anew (the gate's probe count starts
+    over: no neighbour probe at a step whose newcomers catch up). Both waves' outputs stay
+    plain decoding's. Three 40-token requests: the first wave's cruise is spent 16 steps in."""
+    engine = gentle_engine(make_pair_config, cost_files)
+    policy = engine.budget_policy
+    policy.lesson_share = 0.0  # node lessons are dear: settled steps arm cruises
+    policy.cost.ema_weight = 0.0  # the file's prices hold: this machine's timings end no streak
+    prompts, length = prompt_ids[:3], 40
+    expected = plain_decoding(make_pair_config, prompts, length)
+    tails: list[list[bool]] = []  # per wave, per step: whether it cruised past its cruise's steps
+    for _ in range(2):
+        add_greedy_requests(engine, prompts, length)
+        outputs: dict[str, list[int]] = {}
+        tail: list[bool] = []
+        while engine.has_unfinished_requests():
+            outputs.update({out.request_id: list(out.token_ids) for out in engine.step() if out.finished})
+            if not tail and tails and any(tails[-1]):
+                assert engine._cruise_step is None and not policy.gate.probing_neighbour
+            cruise = policy._cruise if engine._cruise_step is not None else None
+            tail.append(cruise is not None and cruise.in_tail)
+        assert outputs == expected
+        tails.append(tail)
+    assert any(tails[0])
+    for tail in tails:
+        if any(tail):
+            assert all(tail[tail.index(True) :])  # held to the wave's end
+
+
 def test_an_engine_given_a_cruising_policy_plans_its_first_step(make_pair_config, cost_files):
     """A policy kept from a lost engine (or shared by a benchmark's engines) may have a cruise
     armed for that engine's streak: the engine it is given to ends it, so its first drafted

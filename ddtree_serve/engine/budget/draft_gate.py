@@ -88,6 +88,16 @@ and 16 stayed within the copies' spread, and 256-token runs gained nothing
 (`bench/results/budget_sweep_h200.md`, forty-first session); on an H100, c = 4-16, two
 copies of the default differed by up to 0.058 of the best fixed budget, more than it moved."""
 
+TAIL_STEPS = 8
+"""A drafting cruise whose steps are spent keeps cruising while every running request ends
+within this many of its steps (`DraftGate.ends_within_tail`): a decision there chooses for a
+few steps at most, and each costs a few of them. A closed wave's recheck falls on its tail: on
+the virtual H200 (`bench/virtual_device.py`) at c = 8 a 64-token run takes 20 steps, its cruise
+armed at the second step ran out at the 16th, at batch 3, and the four steps left each planned
+(`pdccccccccccccccdddd`: a decision at batch 3, a settled step whose lesson armed no cruise, a
+due probe at batch 1 that decided, a settled step), 0.4-0.7 ms over a cruising step's 3.4, to
+verify the same ceiling 32 to the end."""
+
 RECHECK_REQUESTS = 64
 """... and after its steps held this many requests between them: at batch 1 a step teaches one
 request's tree, so eight of them move the curve little, while the decision costs what it costs
@@ -186,22 +196,32 @@ class DraftGate:
         probe_share: float = PROBE_SHARE,
         near_best_ms: float = NEAR_BEST_MS,
         drain_hold: bool = False,
+        tail_steps: int = TAIL_STEPS,
     ) -> None:
         """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone).
         `near_best_ms`: see `NEAR_BEST_MS` (0: a wider ceiling than the best only at no more
         measured step time); a setting so a benchmark can A/B it on one device.
         `drain_hold`: a drafting streak whose batch has only drained since its decision keeps
         its choice past its recheck and its probe, `DRAINED_EXTRA_STEPS` more
-        (`_holds_drained`)."""
-        if probe_interval < 1 or not 0.0 < curve_weight <= 1.0 or probe_share < 0.0 or near_best_ms < 0.0:
+        (`_holds_drained`).
+        `tail_steps`: see `TAIL_STEPS` (0: a cruise ends when its steps are spent, always)."""
+        if (
+            probe_interval < 1
+            or not 0.0 < curve_weight <= 1.0
+            or probe_share < 0.0
+            or near_best_ms < 0.0
+            or tail_steps < 0
+        ):
             raise ValueError(
-                "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0 and near_best_ms >= 0"
+                "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0, near_best_ms >= 0"
+                " and tail_steps >= 0"
             )
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
         self.probe_share = probe_share
         self.near_best_ms = near_best_ms
         self.drain_hold = drain_hold
+        self.tail_steps = tail_steps
         self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
         # [positions] recent mean of calibrated over calibrated mean (1 where `record_curve` is
         # given no calibration: its probabilities are acceptance already)
@@ -445,6 +465,23 @@ class DraftGate:
                 recheck_steps(self._streak_batch) - self._streak_age,
             ),
         )
+
+    def ends_within_tail(self, longest_left: int) -> bool:
+        """Whether a drafting streak's requests all end within `tail_steps` of its steps: the
+        longest may emit at most `longest_left` more tokens, and a request makes a step what the
+        streak's forecast at its decision gave each (`TAIL_STEPS`). Requests that stop early
+        only end sooner."""
+        if self._streak_choice <= 0 or self._streak_batch <= 0 or self._streak_tokens <= 0.0:
+            return False
+        return longest_left <= self.tail_steps * self._streak_tokens / self._streak_batch
+
+    def end_wave(self) -> None:
+        """A drafting cruise held to its requests' ends (`ends_within_tail`) is over: the next
+        step decides anew and counts its probe interval from there, as at a new load. Kept, the
+        streak would meet the next wave's first step with its recheck and its probe both due,
+        and probe there, where the newcomers' catch-up teaches no step time."""
+        self._streak = None
+        self.steps_since_probe = 0
 
     def plain_steps_held_ahead(self, cost: StepCost, overhead: StepOverhead) -> int:
         """Plain steps after this one that keep the plain streak without asking, as long as the

@@ -304,7 +304,7 @@ class AdaptiveBudget:
         than fixed-8's)."""
         return self._weighed[1] if self.settled and self._weighed is not None else None
 
-    def cruise_width(self, batch_size: int, cap: int) -> int | None:
+    def cruise_width(self, batch_size: int, cap: int, longest_left: int | None = None) -> int | None:
         """The draft nodes per tree of a step that cruises (None: this step plans).
 
         A settled step whose lessons are not cheap (`LESSON_SHARE`) arms a cruise for the steps
@@ -320,16 +320,25 @@ class AdaptiveBudget:
         finished were 60% of its steps, each leaving the cruise at a new bucket or at a request
         with no draft token to keep, and they decided and weighed at 5.3-5.6 ms where fixed-32's
         took 4.7; the next decision, at most `recheck_steps` later, is at the batch then.
-        A plain cruise holds at its batch exactly (its price is read at the batch now)."""
+        A plain cruise holds at its batch exactly (its price is read at the batch now).
+        A drafting cruise whose steps are spent keeps on while every request ends within the
+        gate's tail (`longest_left`: the most tokens any running request may still emit;
+        `DraftGate.ends_within_tail`)."""
         cruise = self._cruise
         if cruise is None:
             return None
+        spent = cruise.steps_left <= 0
+        if spent and cruise.width > 0 and longest_left is not None:
+            spent = not self.gate.ends_within_tail(longest_left)
+            cruise.in_tail = cruise.in_tail or not spent
         if (
-            cruise.steps_left <= 0
+            spent
             or batch_bucket(batch_size) > cruise.batch_bucket
             or batch_bucket(cap) != cruise.cap_bucket
             or (cruise.batch_size is not None and batch_size != cruise.batch_size)
         ):
+            if cruise.in_tail:  # the wave it held to its end is over: the next load decides anew
+                self.gate.end_wave()
             self._cruise = None
             return None
         return cruise.width
@@ -805,6 +814,7 @@ class _Cruise:
     cap_bucket: int
     steps_left: int
     batch_size: int | None = None  # the batch it holds at exactly (a plain streak's), None: any to its bucket
+    in_tail: bool = False  # kept past its steps to its requests' ends (`DraftGate.ends_within_tail`)
 
 
 @dataclass(frozen=True)
