@@ -1019,8 +1019,8 @@ def test_a_spent_drafting_cruise_keeps_on_while_its_requests_end_within_the_tail
     """A closed wave's recheck falls on its tail, where a decision chooses for a few steps at
     most: a drafting cruise whose steps are spent keeps cruising while every request ends within
     `TAIL_STEPS` of its steps (the tokens a request made a step as the streak was forecast);
-    when it ends (a request with more ahead: the next wave), the gate's streak ends with it, so
-    the next wave's first step decides, and a probe come due waits for the decision after it."""
+    when it ends (a request with more ahead: the next wave), the gate's streak ends with it and
+    its probe count starts over, so the next wave's first step decides and does not probe."""
     policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
     gate = policy.gate
     per_request = 4.0  # the streak forecast 32 tokens a step at batch 8
@@ -1044,8 +1044,7 @@ def test_a_spent_drafting_cruise_keeps_on_while_its_requests_end_within_the_tail
         policy.cruised(TreeBatch.root_only([7] * batch_size), [0] * batch_size)
     assert gate._streak == (8, 16)
     assert policy.cruise_width(8, 16, longest_left=64) is None  # the next wave
-    assert gate._streak is None and gate.steps_since_probe == 23  # its probe waits a decision
-    assert gate._probe_deferred
+    assert gate._streak is None and gate.steps_since_probe == 0
     gate._streak, gate.tail_steps = (8, 16), 0  # no tail: a spent cruise ends
     policy._cruise = spent_cruise()
     assert policy.cruise_width(1, 16, longest_left=1) is None and gate._streak == (8, 16)

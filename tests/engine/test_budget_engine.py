@@ -383,9 +383,9 @@ def test_a_drafting_streak_holds_while_its_batch_drains(make_pair_config, prompt
 def test_a_waves_tail_cruises_to_its_end_and_the_next_wave_decides(make_pair_config, prompt_ids, cost_files):
     """Every request of a closed wave ending within the gate's tail (`TAIL_STEPS`), a drafting
     cruise whose steps are spent keeps cruising to the wave's end instead of deciding for the
-    few steps left; the next wave's first step decides anew (a probe come due waits for the
-    decision after it: none at a step whose newcomers catch up). Both waves' outputs stay plain
-    decoding's. Three 40-token requests: the first wave's cruise is spent 16 steps in."""
+    few steps left; the next wave's first step decides anew (the gate's probe count starts
+    over: no neighbour probe at a step whose newcomers catch up). Both waves' outputs stay
+    plain decoding's. Three 40-token requests: the first wave's cruise is spent 16 steps in."""
     engine = gentle_engine(make_pair_config, cost_files)
     policy = engine.budget_policy
     policy.lesson_share = 0.0  # node lessons are dear: settled steps arm cruises

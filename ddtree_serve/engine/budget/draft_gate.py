@@ -269,7 +269,6 @@ class DraftGate:
         self._streak_drained = True
         self._streak_prices = (0.0, 0.0)  # plain step and drafter call, predicted when decided
         self._streak_turns = 1  # the probe directions that apply to a drafting streak's choice
-        self._probe_deferred = False  # the next decision takes no probe (`end_wave`)
         self.residual = StepResidual()
         # Per (batch bucket, ceiling): tokens a drafted step made over the tokens it forecast.
         self.token_residual = StepResidual(mean=True)
@@ -395,8 +394,7 @@ class DraftGate:
         # (`PROBE_TURNS`).
         turns = len(PROBE_TURNS) if best < cap else len(options)
         interval = plain_interval if best == 0 else self._drafted_interval(turns)
-        probe_due = self.steps_since_probe >= interval and not self._probe_deferred
-        self._probe_deferred = False
+        probe_due = self.steps_since_probe >= interval
         if probe_due:
             chosen = drafted if best == 0 else self._probe_ceiling(best, options)
             if best > 0:
@@ -478,14 +476,12 @@ class DraftGate:
         return longest_left <= self.tail_steps * self._streak_tokens / self._streak_batch
 
     def end_wave(self) -> None:
-        """A drafting cruise held to its requests' ends (`ends_within_tail`) is over, and the
-        next wave's requests join: the next step decides anew, and a probe come due waits for
-        the decision after it. Kept, the streak met the next wave's first step with its recheck
-        and its probe both due and probed there, where the newcomers' catch-up teaches no step
-        time; counted from the wave's start, probes never came in closed waves shorter than
-        their interval and tail (on the CI CPU at c = 1, 32-token runs of 10 steps)."""
+        """A drafting cruise held to its requests' ends (`ends_within_tail`) is over: the next
+        step decides anew and counts its probe interval from there, as at a new load. Kept, the
+        streak would meet the next wave's first step with its recheck and its probe both due,
+        and probe there, where the newcomers' catch-up teaches no step time."""
         self._streak = None
-        self._probe_deferred = True
+        self.steps_since_probe = 0
 
     def plain_steps_held_ahead(self, cost: StepCost, overhead: StepOverhead) -> int:
         """Plain steps after this one that keep the plain streak without asking, as long as the
