@@ -385,12 +385,12 @@ def test_a_waves_tail_cruises_to_its_end_and_the_next_wave_decides(make_pair_con
     cruise whose steps are spent keeps cruising to the wave's end instead of deciding for the
     few steps left; the next wave's first step decides anew (the gate's probe count starts
     over: no neighbour probe at a step whose newcomers catch up). Both waves' outputs stay
-    plain decoding's. Three 40-token requests: the first wave's cruise is spent 16 steps in."""
+    plain decoding's."""
     engine = gentle_engine(make_pair_config, cost_files)
     policy = engine.budget_policy
     policy.lesson_share = 0.0  # node lessons are dear: settled steps arm cruises
     policy.cost.ema_weight = 0.0  # the file's prices hold: this machine's timings end no streak
-    prompts, length = prompt_ids[:3], 40
+    prompts, length = prompt_ids[:3], 36
     expected = plain_decoding(make_pair_config, prompts, length)
     tails: list[list[bool]] = []  # per wave, per step: whether it cruised past its cruise's steps
     for _ in range(2):

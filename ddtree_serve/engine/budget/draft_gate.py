@@ -88,15 +88,22 @@ and 16 stayed within the copies' spread, and 256-token runs gained nothing
 (`bench/results/budget_sweep_h200.md`, forty-first session); on an H100, c = 4-16, two
 copies of the default differed by up to 0.058 of the best fixed budget, more than it moved."""
 
-TAIL_STEPS = 8
+TAIL_STEPS = 4
 """A drafting cruise whose steps are spent keeps cruising while every running request ends
 within this many of its steps (`DraftGate.ends_within_tail`): a decision there chooses for a
-few steps at most, and each costs a few of them. A closed wave's recheck falls on its tail: on
-the virtual H200 (`bench/virtual_device.py`) at c = 8 a 64-token run takes 20 steps, its cruise
-armed at the second step ran out at the 16th, at batch 3, and the four steps left each planned
-(`pdccccccccccccccdddd`: a decision at batch 3, a settled step whose lesson armed no cruise, a
-due probe at batch 1 that decided, a settled step), 0.4-0.7 ms over a cruising step's 3.4, to
-verify the same ceiling 32 to the end."""
+few steps at most, and each costs a tenth of a step or more. A closed wave's recheck falls on
+its tail: on the virtual H200 (`bench/virtual_device.py`) at c = 8 a 64-token run takes 20
+steps, its cruise armed at the second step ran out at the 16th, at batch 3, and the four steps
+left each planned (`pdccccccccccccccdddd`: a decision at batch 3, a settled step whose lesson
+armed no cruise, a due probe at batch 1 that decided, a settled step), 0.4-0.7 ms over a
+cruising step's 3.4, to verify the same ceiling 32 to the end. A/B'd in one process against
+`tail_steps=0` on the virtual H100 and H200 (closed, 64 tokens, `bench/results/budget_sweep_h200.md`,
+forty-second session): c = 16 gained 0.01-0.04 of the best fixed budget in every pairing and a
+held c = 8 0.015; c = 4 and a closed c = 8 moved within two copies' spread, where a copy that
+settles on ceiling 16 at batch 8 reads 0.02-0.03 under one on 32 either way. At 8 steps the
+tail was most of a 32-token run at c = 1 on the CI CPU (3 tokens a step), where a decision
+costs a fifteenth of a step."""
+
 
 RECHECK_REQUESTS = 64
 """... and after its steps held this many requests between them: at batch 1 a step teaches one
