@@ -367,6 +367,30 @@ def test_the_band_takes_a_wider_ceiling_only_at_a_few_percent_more_step_time(mon
         DraftGate(near_best_ms=-0.01)
 
 
+def test_a_wider_ceiling_tied_with_the_best_rate_is_taken_at_any_step_time(monkeypatch):
+    """A gate set to a 1% tie (`NEAR_TIE_RATE`) takes the widest ceiling its own steps measured
+    within 1% of the best predicted rate even where its step is dearer than the band allows
+    (`NEAR_BEST_MS`): 64 at 99.5% of 32's rate, its step 8% dearer, is taken; at 97% it is not,
+    nor unmeasured, nor by a gate set to no tie (the default)."""
+    cost = linear_curve(fixed_ms=4.0, per_token_ms=0.0, draft_ms=1.0)
+    plain = plain_decode_rate(8, cost)
+
+    def choice(share: float, measured: bool = True, near_tie_rate: float = 0.01) -> int:
+        gate = DraftGate(probe_interval=1024, near_tie_rate=near_tie_rate)
+        record_curve(gate, CONFIDENT)
+        if measured:
+            gate.residual.observe(8, 64, predicted_ms=5.0, measured_ms=5.0)
+        rates = np.array([1.5, 2.0, 2.0 * share]) * plain  # 64's rate a share of 32's
+        stub = ([16, 32, 64], rates, np.full(3, 5.0), np.full(3, 30.0), np.array([5.0, 5.0, 5.4]))
+        monkeypatch.setattr(gate, "_drafted_ceilings", lambda *args: stub)
+        return gate.ceiling([64] * 8, cost, FREE_BUILD, "padded")
+
+    assert (choice(0.995), choice(0.97), choice(0.995, measured=False)) == (64, 32, 32)
+    assert choice(0.995, near_tie_rate=0.0) == 32
+    with pytest.raises(ValueError, match="near_tie_rate"):
+        DraftGate(near_tie_rate=-0.01)
+
+
 def test_drafting_is_judged_by_its_best_rate_and_the_wider_choice_still_beats_a_plain_step(monkeypatch):
     """Ceiling 4 beats a plain step by 3%; 8 is within `NEAR_BEST_RATE` of it at the same step
     time but under a plain step. The gate drafts, at 4: judged by 8's rate it decoded plainly."""

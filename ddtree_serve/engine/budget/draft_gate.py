@@ -177,6 +177,21 @@ c = 1 made 0.81-0.96 of the best in six paired sweeps where the gate without the
 probed 64 is what the band is for."""
 
 
+NEAR_TIE_RATE = 0.0
+"""With `DraftGate(near_tie_rate=r)`, among drafting ceilings within that share of the best
+predicted rate the widest its own steps measured is the choice, whatever its step costs: a tie,
+decided by the wider trees' fewer steps a request. On the virtual H100
+(`bench/virtual_device.py`) at closed c = 8 the gate's last decisions at batch 5-8 priced
+ceilings 16 and 32 0.3% apart (7864 and 7890 tok/s), 32's step 7% dearer, outside
+`NEAR_BEST_MS`; the argmax took either on noise, and runs on 16 made 6236-6537 tok/s where runs
+on 32 made 6863-6959 (a closed run lasts as long as its slowest request). Off by default: at
+0.01, A/B'd in one process against 0 beside a second copy (8 rounds, closed, 64 tokens;
+`bench/results/budget_sweep_h200.md`, forty-second session), the virtual H100's c = 8 rose from
+0.915 to 0.934-0.942 (ceiling 32 at batch 8 in 73-89 of ~125 steps against 27) while the virtual
+H200's fell from 0.945 to 0.909-0.912 (one copy kept 16, whose rate was more than 1% under), and
+c = 1, 2, 4, 16 moved within 0.025 either way."""
+
+
 PROBE_TURNS = ("wider", "narrower", "plain")
 """The directions a drafting streak's probes take in turn (`DraftGate._probe_ceiling`); one that
 does not apply passes its turn to the next. A streak at its cap has no wider probe, and there its
@@ -202,12 +217,15 @@ class DraftGate:
         curve_weight: float = 0.3,
         probe_share: float = PROBE_SHARE,
         near_best_ms: float = NEAR_BEST_MS,
+        near_tie_rate: float = NEAR_TIE_RATE,
         drain_hold: bool = False,
         tail_steps: int = TAIL_STEPS,
     ) -> None:
         """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone).
         `near_best_ms`: see `NEAR_BEST_MS` (0: a wider ceiling than the best only at no more
         measured step time); a setting so a benchmark can A/B it on one device.
+        `near_tie_rate`: see `NEAR_TIE_RATE` (0: ties go to the best rate alone); a setting so a
+        benchmark can A/B it.
         `drain_hold`: a drafting streak whose batch has only drained since its decision keeps
         its choice past its recheck and its probe, `DRAINED_EXTRA_STEPS` more
         (`_holds_drained`).
@@ -217,16 +235,18 @@ class DraftGate:
             or not 0.0 < curve_weight <= 1.0
             or probe_share < 0.0
             or near_best_ms < 0.0
+            or not 0.0 <= near_tie_rate < 1.0
             or tail_steps < 0
         ):
             raise ValueError(
-                "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0, near_best_ms >= 0"
-                " and tail_steps >= 0"
+                "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0, near_best_ms >= 0,"
+                " near_tie_rate in [0, 1) and tail_steps >= 0"
             )
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
         self.probe_share = probe_share
         self.near_best_ms = near_best_ms
+        self.near_tie_rate = near_tie_rate
         self.drain_hold = drain_hold
         self.tail_steps = tail_steps
         self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
@@ -382,9 +402,10 @@ class DraftGate:
             # beats a plain step.
             drafted_rate = float(np.max(rates))
             own_steps = np.array([self.residual.measured(batch_size, c) for c in candidates])
-            drafted = candidates[
-                _widest_near_best(rates, measured_ms, own_steps, plain_rate, self.near_best_ms)
-            ]
+            near = _widest_near_best(
+                rates, measured_ms, own_steps, plain_rate, self.near_best_ms, self.near_tie_rate
+            )
+            drafted = candidates[near]
             best = drafted if drafted_rate > plain_rate or learning else 0
             plain_close = drafted_rate <= PLAIN_PROBE_MAX_GAIN * plain_rate
         predicted_ms[0], predicted_tokens[0] = plain_ms, float(batch_size)
@@ -810,19 +831,24 @@ class DraftGate:
 
 
 def _widest_near_best(
-    rates: np.ndarray, measured_ms: np.ndarray, own_steps: np.ndarray, plain_rate: float, near_best_ms: float
+    rates: np.ndarray,
+    measured_ms: np.ndarray,
+    own_steps: np.ndarray,
+    plain_rate: float,
+    near_best_ms: float,
+    near_tie_rate: float = 0.0,
 ) -> int:
     """The index of the drafting choice among the candidates: the best predicted rate (the
-    narrowest of equal ones), or the widest candidate within `NEAR_BEST_RATE` of it, above
-    `plain_rate`, whose step is at most `near_best_ms` (a share, `NEAR_BEST_MS` by default)
-    dearer as its own steps measured it (`own_steps`: whether they did)."""
+    narrowest of equal ones), or the widest candidate above `plain_rate` that its own steps
+    measured (`own_steps`) and that is within `NEAR_BEST_RATE` of it with a step at most
+    `near_best_ms` (a share, `NEAR_BEST_MS` by default) dearer as measured, or within
+    `near_tie_rate` (`NEAR_TIE_RATE`) of it at any step time."""
     pick = int(np.argmax(rates))
-    near = (
-        (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick])
-        & (rates > plain_rate)
-        & (measured_ms <= (1.0 + near_best_ms) * measured_ms[pick])
-        & own_steps
+    cheap_enough = (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick]) & (
+        measured_ms <= (1.0 + near_best_ms) * measured_ms[pick]
     )
+    tied = rates >= (1.0 - near_tie_rate) * rates[pick]
+    near = (cheap_enough | tied) & (rates > plain_rate) & own_steps
     near[pick] = True  # the best itself, whatever its rate (a NaN compares false)
     return int(np.flatnonzero(near)[-1])
 
