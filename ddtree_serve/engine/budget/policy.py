@@ -22,9 +22,10 @@ The trees verified are best-first prefixes of the ones built (`TreeBatch.prefix`
 choice reads drafter outputs only and verification stays lossless.
 
 A cruising step (armed by a settled step where node lessons are dear, or by a plain streak's
-step) replaces all of these with two calls: `cruise_width(batch, cap)` before drafting (None:
-plan instead; 0: a plain step), `cruised(trees, accepted)` after the verify; it drafts and
-builds at the settled width like a fixed budget, or decodes plainly like plain decoding.
+step) replaces all of these with two calls: `cruise_width(batch, cap, longest_left)` before
+drafting (None: plan instead; 0: a plain step), `cruised(trees, accepted)` after the verify; it
+drafts and builds at the settled width like a fixed budget, or decodes plainly like plain
+decoding.
 
 Deciding time. A step's `plan` and `choose` time is the policy deciding, and the steps that
 decide pay most of it: a drafting streak's later steps (`settled`) a few hundredths of a
