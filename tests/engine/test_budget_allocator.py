@@ -342,24 +342,33 @@ def test_where_width_is_nearly_free_the_widest_ceiling_near_the_best_rate_is_tak
     assert (choice(free), choice(dear)) == (32, 32)
 
 
+def choice_among_16_32_64(
+    monkeypatch, gate: DraftGate, share_of_32: float, extra_ms_share: float, measured: bool = True
+) -> int:
+    """The ceiling `gate` takes at batch 8 with its candidates' prices stubbed: 16 at 75% of
+    32's predicted rate, 64 at `share_of_32` of it, 64's step measured `extra_ms_share` dearer
+    than 32's, and 64's own steps measured it when `measured` (else its ratio is borrowed)."""
+    cost = linear_curve(fixed_ms=4.0, per_token_ms=0.0, draft_ms=1.0)
+    record_curve(gate, CONFIDENT)
+    if measured:
+        gate.residual.observe(8, 64, predicted_ms=5.0, measured_ms=5.0)
+    rates = np.array([1.5, 2.0, 2.0 * share_of_32]) * plain_decode_rate(8, cost)
+    measured_ms = np.array([5.0, 5.0, 5.0 * (1.0 + extra_ms_share)])
+    stub = ([16, 32, 64], rates, np.full(3, 5.0), np.full(3, 30.0), measured_ms)
+    monkeypatch.setattr(gate, "_drafted_ceilings", lambda *args: stub)
+    return gate.ceiling([64] * 8, cost, FREE_BUILD, "padded")
+
+
 def test_the_band_takes_a_wider_ceiling_only_at_a_few_percent_more_step_time(monkeypatch):
     """64 is predicted at 97% of 32's rate, within `NEAR_BEST_RATE`, and its own steps measured
     its step time: the gate takes 64 where that step is 3% dearer than 32's, and keeps 32 where
     it is 8% dearer (at batch 5-8 on the H100 and the H200 64's step is 7-12% over 32's, for a
     few percent more tokens: `NEAR_BEST_MS`). A gate set to a 10% band takes 64 at 8% too, one
     set to none keeps 32 at 3%."""
-    cost = linear_curve(fixed_ms=4.0, per_token_ms=0.0, draft_ms=1.0)
-    plain = plain_decode_rate(8, cost)
 
     def choice(extra_ms_share: float, near_best_ms: float = draft_gate.NEAR_BEST_MS) -> int:
         gate = DraftGate(probe_interval=1024, near_best_ms=near_best_ms)
-        record_curve(gate, CONFIDENT)
-        gate.residual.observe(8, 64, predicted_ms=5.0, measured_ms=5.0)  # 64's own steps, measured
-        measured_ms = np.array([5.0, 5.0, 5.0 * (1.0 + extra_ms_share)])
-        rates = np.array([1.5, 2.0, 1.94]) * plain
-        stub = ([16, 32, 64], rates, np.full(3, 5.0), np.full(3, 30.0), measured_ms)
-        monkeypatch.setattr(gate, "_drafted_ceilings", lambda *args: stub)
-        return gate.ceiling([64] * 8, cost, FREE_BUILD, "padded")
+        return choice_among_16_32_64(monkeypatch, gate, 0.97, extra_ms_share)
 
     assert (choice(0.03), choice(0.08)) == (64, 32)
     assert (choice(0.08, near_best_ms=0.10), choice(0.03, near_best_ms=0.0)) == (64, 32)
@@ -372,18 +381,10 @@ def test_a_wider_ceiling_tied_with_the_best_rate_is_taken_at_any_step_time(monke
     within 1% of the best predicted rate even where its step is dearer than the band allows
     (`NEAR_BEST_MS`): 64 at 99.5% of 32's rate, its step 8% dearer, is taken; at 97% it is not,
     nor unmeasured, nor by a gate set to no tie (the default)."""
-    cost = linear_curve(fixed_ms=4.0, per_token_ms=0.0, draft_ms=1.0)
-    plain = plain_decode_rate(8, cost)
 
     def choice(share: float, measured: bool = True, near_tie_rate: float = 0.01) -> int:
         gate = DraftGate(probe_interval=1024, near_tie_rate=near_tie_rate)
-        record_curve(gate, CONFIDENT)
-        if measured:
-            gate.residual.observe(8, 64, predicted_ms=5.0, measured_ms=5.0)
-        rates = np.array([1.5, 2.0, 2.0 * share]) * plain  # 64's rate a share of 32's
-        stub = ([16, 32, 64], rates, np.full(3, 5.0), np.full(3, 30.0), np.array([5.0, 5.0, 5.4]))
-        monkeypatch.setattr(gate, "_drafted_ceilings", lambda *args: stub)
-        return gate.ceiling([64] * 8, cost, FREE_BUILD, "padded")
+        return choice_among_16_32_64(monkeypatch, gate, share, 0.08, measured)
 
     assert (choice(0.995), choice(0.97), choice(0.995, measured=False)) == (64, 32, 32)
     assert choice(0.995, near_tie_rate=0.0) == 32

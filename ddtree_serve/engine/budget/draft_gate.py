@@ -836,7 +836,7 @@ def _widest_near_best(
     own_steps: np.ndarray,
     plain_rate: float,
     near_best_ms: float,
-    near_tie_rate: float = 0.0,
+    near_tie_rate: float,
 ) -> int:
     """The index of the drafting choice among the candidates: the best predicted rate (the
     narrowest of equal ones), or the widest candidate above `plain_rate` that its own steps
