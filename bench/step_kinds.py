@@ -27,7 +27,7 @@ plain steps (cruising `c`, deciding `d`) and its probes read against `ar`'s own.
 
 `--variant SETTINGS` (repeatable) adds an adaptive engine whose draft gate is built with other
 settings (`DraftGate`'s: `probe_interval`, `curve_weight`, `probe_share`, `near_best_ms`,
-`near_tie_rate`, `drain_hold`, `tail_steps`), beside the default one, in the same rounds: an
+`near_tie_rate`, `tail_steps`), beside the default one, in the same rounds: an
 A/B of a setting on one device in one process, e.g. the band's step-time tolerance at c = 8:
 
     python bench/step_kinds.py --device cuda --dtype bfloat16 --concurrency 8 --budgets 8,32,64 \\
@@ -53,7 +53,7 @@ from ddtree_serve.engine.spec_engine import SpecEngine
 RUNS_SHOWN = 4
 """Runs whose step kinds are printed in order, per level."""
 
-GateSetting = int | float | bool
+GateSetting = int | float
 """A `DraftGate` setting's value, of its default's type."""
 
 BucketSteps = dict[tuple[int, int], list[float]]
@@ -123,12 +123,7 @@ def kinds_line(steps: dict[str, list[float]]) -> str:
 
 
 def _setting_value(default: GateSetting, text: str) -> GateSetting:
-    """`text` as the type of a setting's default; a bool reads 0/1/false/true (`bool("0")` is
-    True)."""
-    if isinstance(default, bool):
-        if text.lower() not in ("0", "1", "false", "true"):
-            raise ValueError(text)
-        return text.lower() in ("1", "true")
+    """`text` as the type of a setting's default."""
     return type(default)(text)
 
 

@@ -21,7 +21,7 @@ from ddtree_serve.engine.budget import (
     plain_decode_rate,
 )
 from ddtree_serve.engine.budget.allocator import TRIM_MIN_GAIN, allocate_padded_rows, ceiling_rates
-from ddtree_serve.engine.budget.draft_gate import DRAINED_EXTRA_STEPS, PROBE_SHARE, TAIL_STEPS, recheck_steps
+from ddtree_serve.engine.budget.draft_gate import PROBE_SHARE, TAIL_STEPS, recheck_steps
 from ddtree_serve.engine.budget.policy import (
     CALIBRATION_STEPS,
     CRUISE_LESSON_BATCH,
@@ -278,19 +278,13 @@ def first_decision_after_a_streak(gate: DraftGate, batches: list[int]) -> int | 
     return None
 
 
-def test_a_drained_streak_holds_past_its_recheck_only_with_drain_hold_and_while_none_joins():
+def test_a_drafting_streak_rechecks_on_a_closed_batchs_tail():
     """A closed batch's tail: 8 requests for 10 steps, then 3, then 1. The streak decided at
-    batch 8 rechecks once 16 steps held (`recheck_steps(8)`), its probe due at the same step: by
-    default it decides there, on the tail. With `drain_hold` a batch that only drained holds
-    `DRAINED_EXTRA_STEPS` more; a request joining (1 -> 2) ends that, and the streak decides at
-    its own recheck."""
+    batch 8 keeps its choice as the batch drains through the buckets below, and decides again
+    once `recheck_steps(8)` steps held, its probe due at the same step."""
     tail = [8] * 10 + [3] * 4 + [1] * 60
     assert recheck_steps(8) == 16
     assert first_decision_after_a_streak(DraftGate(probe_interval=16), tail) == 16
-    drained = first_decision_after_a_streak(DraftGate(probe_interval=16, drain_hold=True), tail)
-    assert drained == 16 + DRAINED_EXTRA_STEPS
-    joined = [8] * 10 + [3] * 4 + [1] * 2 + [2] * 50
-    assert first_decision_after_a_streak(DraftGate(probe_interval=16, drain_hold=True), joined) == 16
 
 
 def test_the_first_ceiling_is_the_widest_that_costs_a_few_plain_steps():

@@ -435,7 +435,7 @@ def gate_steps(
             gate.record_step_ms(predicted_ms, made)
         if cruise and ceiling == 0:
             for _ in range(min(gate.plain_steps_held_ahead(cost, StepOverhead()), PLAIN_CRUISE_STEPS)):
-                gate.hold_unchecked(2, plain=True)
+                gate.hold_unchecked(plain=True)
                 taken.append((0, False))
     return taken[:steps]
 

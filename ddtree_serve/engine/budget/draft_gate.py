@@ -73,21 +73,6 @@ Rechecking every 8 steps (32 requests) had a third of the adaptive steps at c = 
 H100 (`bench/virtual_device.py`) decide or weigh, each 0.3-0.7 ms over a fixed budget's step;
 at 16 (64 requests) c = 1-16 rose from 0.91-0.95 of the best fixed budget to 0.92-0.96 there."""
 
-DRAINED_EXTRA_STEPS = 8
-"""With `DraftGate(drain_hold=True)`, a drafting streak whose batch has only drained since its
-decision (requests finishing, none joining) holds this many steps past its recheck and its probe.
-A closed wave's recheck falls on its tail: on the virtual H100 (`bench/virtual_device.py`) at
-c = 8 a 64-token run takes 20 steps, and the recheck at 16 decided at batch 3-4, then at batch 1
-decided again and armed a cruise the run did not have (`pdccccccccccccccdddd`), each decision
-0.3-0.8 ms over a cruising step; and the tail's one-request trees, which its decisions and
-probes teach the curve, are what the next wave's first decision reads. A tail longer than
-this decides, at the batch then: one request left alone for hundreds of steps should not keep
-a choice made for eight. Off by default: A/B'd there against two copies of the default in one
-process, closed c = 8 at 64 tokens read 0.935-0.951 of fixed-32 against 0.902-0.933, c = 1-4
-and 16 stayed within the copies' spread, and 256-token runs gained nothing
-(`bench/results/budget_sweep_h200.md`, forty-first session); on an H100, c = 4-16, two
-copies of the default differed by up to 0.058 of the best fixed budget, more than it moved."""
-
 TAIL_STEPS = 4
 """A drafting cruise whose steps are spent keeps cruising while every running request ends
 within this many of its steps (`DraftGate.ends_within_tail`): a decision there chooses for a
@@ -218,7 +203,6 @@ class DraftGate:
         probe_share: float = PROBE_SHARE,
         near_best_ms: float = NEAR_BEST_MS,
         near_tie_rate: float = NEAR_TIE_RATE,
-        drain_hold: bool = False,
         tail_steps: int = TAIL_STEPS,
     ) -> None:
         """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone).
@@ -226,9 +210,6 @@ class DraftGate:
         measured step time); a setting so a benchmark can A/B it on one device.
         `near_tie_rate`: see `NEAR_TIE_RATE` (0: ties go to the best rate alone); a setting so a
         benchmark can A/B it.
-        `drain_hold`: a drafting streak whose batch has only drained since its decision keeps
-        its choice past its recheck and its probe, `DRAINED_EXTRA_STEPS` more
-        (`_holds_drained`).
         `tail_steps`: see `TAIL_STEPS` (0: a cruise ends when its steps are spent, always)."""
         if (
             probe_interval < 1
@@ -247,7 +228,6 @@ class DraftGate:
         self.probe_share = probe_share
         self.near_best_ms = near_best_ms
         self.near_tie_rate = near_tie_rate
-        self.drain_hold = drain_hold
         self.tail_steps = tail_steps
         self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
         # [positions] recent mean of calibrated over calibrated mean (1 where `record_curve` is
@@ -290,10 +270,6 @@ class DraftGate:
         self._streak_age = 0
         self._streak_ms = 0.0
         self._streak_batch = 0  # the batch size the streak was decided at
-        # The streak's batch size now, and whether it has only drained since its decision (no
-        # request joined): a drained streak may hold longer (`drain_hold`).
-        self._streak_batch_now = 0
-        self._streak_drained = True
         self._streak_prices = (0.0, 0.0)  # plain step and drafter call, predicted when decided
         self._streak_turns = 1  # the probe directions that apply to a drafting streak's choice
         self.residual = StepResidual()
@@ -358,7 +334,6 @@ class DraftGate:
         streak = (batch_bucket(batch_size), batch_bucket(cap))
         holds = False
         if self._in_streak(streak):
-            self._track_batch(batch_size)
             at_batch = batch_size == self._streak_batch or self._streak_choice == 0
             holds = self._streak_holds(
                 *((plain_ms, draft_ms) if at_batch else _prices(self._streak_batch, cost, overhead))
@@ -451,7 +426,6 @@ class DraftGate:
         self._streak = streak if resumes and self._decided is not None else None
         choice = best if self.probing_neighbour else chosen
         self._streak_choice, self._streak_age, self._streak_batch = choice, 0, batch_size
-        self._streak_batch_now, self._streak_drained = batch_size, True
         self._streak_ms = predicted_ms.get(choice, 0.0)
         self._streak_tokens = predicted_tokens.get(choice, 0.0)
         self._streak_narrower = _below(predicted_tokens, choice)
@@ -484,8 +458,6 @@ class DraftGate:
         this step kept a drafting choice)."""
         if not self.kept or self._streak is None:
             return 0
-        if self._holds_drained():
-            return max(0, self._drained_recheck - self._streak_age)
         return max(
             0,
             min(
@@ -538,14 +510,13 @@ class DraftGate:
             choice, forecast = self._streak_choice, self._streak_tokens
             self._teach_tokens(batch_size, choice, forecast, tokens, tokens_within, self._streak_narrower)
 
-    def hold_unchecked(self, batch_size: int, plain: bool = False) -> None:
-        """A step at this batch size that kept the streak's choice without asking
+    def hold_unchecked(self, plain: bool = False) -> None:
+        """A step that kept the streak's choice without asking
         (`steps_held_ahead`, `plain_steps_held_ahead`): it counts toward the recheck and the
         probe as a held step does. A `plain` one also ages the ratios as the plain step it
         stands for would have (`record_step_ms`): a gate that turned plain on drafted steps that
         made little tries drafting again as they fade, and plain cruises are most of a plain
         streak's steps."""
-        self._track_batch(batch_size)
         self.steps_since_probe += 1
         self._streak_age += 1
         if plain:
@@ -576,32 +547,8 @@ class DraftGate:
         if self._streak_choice == 0:
             interval = self.plain_probe_interval(self._streak_batch)
             return self.steps_since_probe < interval and not moved[0]
-        if self._holds_drained():
-            return not any(moved) and self._streak_age < self._drained_recheck
         due = self.steps_since_probe >= self._drafted_interval(self._streak_turns)
         return not due and not any(moved) and self._streak_age < recheck_steps(self._streak_batch)
-
-    def _track_batch(self, batch_size: int) -> None:
-        """A step of the streak under way at this batch size (held, cruising or deciding)."""
-        if batch_size > self._streak_batch_now:
-            self._streak_drained = False
-        self._streak_batch_now = batch_size
-
-    @property
-    def _drained_recheck(self) -> int:
-        """The steps a drained streak holds (`_holds_drained`)."""
-        return recheck_steps(self._streak_batch) + DRAINED_EXTRA_STEPS
-
-    def _holds_drained(self) -> bool:
-        """Whether the drafting streak under way keeps its choice past its recheck and its probe
-        (`drain_hold`): its batch has only drained since it was decided, requests finishing and
-        none joining, as at the tail of a closed batch (`DRAINED_EXTRA_STEPS`)."""
-        return (
-            self.drain_hold
-            and self._streak_choice > 0
-            and self._streak_drained
-            and self._streak_batch_now < self._streak_batch
-        )
 
     def _probe_ceiling(self, best: int, options: dict[str, int]) -> int:
         """A drafting probe's ceiling, the directions taken in turn (`PROBE_TURNS`): twice the

@@ -374,7 +374,7 @@ class AdaptiveBudget:
         cruise = self._cruise
         assert cruise is not None, "cruised without a cruise_width"
         cruise.steps_left -= 1
-        self.gate.hold_unchecked(trees.batch_size, plain=cruise.width == 0)
+        self.gate.hold_unchecked(plain=cruise.width == 0)
         if cruise.width == 0:  # a plain step's record (a new one: readers tell steps apart by it)
             zeros = (0,) * trees.batch_size
             self.last_step = BudgetStep(False, zeros, (0.0,) * trees.batch_size, zeros)
