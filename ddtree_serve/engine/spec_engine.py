@@ -586,8 +586,9 @@ class SpecEngine:
         if policy is None or not policy.cruising:
             return None
         cap = max(r.tree_budget for r in requests)
-        keepable = self._keepable_depths(requests)
-        width = policy.cruise_width(len(requests), cap, longest_left=max(keepable) + 1)
+        keepable = self._keepable_depths(requests) if policy.cruise_drafts else []
+        longest_left = max(keepable) + 1 if keepable else None
+        width = policy.cruise_width(len(requests), cap, longest_left=longest_left)
         self._cruise_step = None if width is None else _CruiseStep(width, keepable, cap)
         return self._cruise_step
 

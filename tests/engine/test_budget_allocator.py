@@ -869,6 +869,7 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
                 teaching_settled += 1
                 assert not policy.cruising  # its lesson, learned in the next verify, may move prices
             continue
+        assert policy.cruise_drafts  # a settled streak's cruise
         asking, cruising = copy.deepcopy(policy), copy.deepcopy(policy)
         held_steps = 0
         while held_steps < 200:

@@ -250,6 +250,7 @@ def test_a_step_that_did_not_plan_arms_no_plain_cruise(make_pair_config, prompt_
     add_greedy_requests(engine, prompt_ids, 40)
     while not policy.cruising:  # a plain streak's step arms a cruise
         engine.step()
+    assert not policy.cruise_drafts  # the engine reads no keepable depths for it
     policy.end_cruise()  # the drafter lost (`SpecEngine._lose_drafter`)
     policy.record_step_ms(5.0)  # the lost step's end: no `plan` before it
     assert not policy.cruising

@@ -349,6 +349,12 @@ class AdaptiveBudget:
         """A cruise is armed: the engine asks `cruise_width` before planning."""
         return self._cruise is not None
 
+    @property
+    def cruise_drafts(self) -> bool:
+        """The armed cruise drafts (a settled streak's): only its `cruise_width` reads the
+        requests' `longest_left`, and only its build their keepable depths."""
+        return self._cruise is not None and self._cruise.width > 0
+
     def end_cruise(self) -> None:
         """No more cruising steps: the next step plans."""
         self._cruise = None
