@@ -281,10 +281,12 @@ def first_decision_after_a_streak(gate: DraftGate, batches: list[int]) -> int | 
 def test_a_drafting_streak_rechecks_on_a_closed_batchs_tail():
     """A closed batch's tail: 8 requests for 10 steps, then 3, then 1. The streak decided at
     batch 8 keeps its choice as the batch drains through the buckets below, and decides again
-    once `recheck_steps(8)` steps held, its probe due at the same step."""
+    once `recheck_steps(8)` steps held, its probe due at the same step; a gate set to recheck
+    after 32 steps (and probe as rarely) holds twice as long."""
     tail = [8] * 10 + [3] * 4 + [1] * 60
     assert recheck_steps(8) == 16
     assert first_decision_after_a_streak(DraftGate(probe_interval=16), tail) == 16
+    assert first_decision_after_a_streak(DraftGate(probe_interval=32, recheck_steps=32), tail) == 32
 
 
 def test_the_first_ceiling_is_the_widest_that_costs_a_few_plain_steps():

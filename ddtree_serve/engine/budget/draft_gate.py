@@ -204,13 +204,15 @@ class DraftGate:
         near_best_ms: float = NEAR_BEST_MS,
         near_tie_rate: float = NEAR_TIE_RATE,
         tail_steps: int = TAIL_STEPS,
+        recheck_steps: int = DRAFTED_RECHECK_STEPS,
     ) -> None:
         """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone).
         `near_best_ms`: see `NEAR_BEST_MS` (0: a wider ceiling than the best only at no more
         measured step time); a setting so a benchmark can A/B it on one device.
         `near_tie_rate`: see `NEAR_TIE_RATE` (0: ties go to the best rate alone); a setting so a
         benchmark can A/B it.
-        `tail_steps`: see `TAIL_STEPS` (0: a cruise ends when its steps are spent, always)."""
+        `tail_steps`: see `TAIL_STEPS` (0: a cruise ends when its steps are spent, always).
+        `recheck_steps`: see `DRAFTED_RECHECK_STEPS`; a setting so a benchmark can A/B it."""
         if (
             probe_interval < 1
             or not 0.0 < curve_weight <= 1.0
@@ -218,10 +220,11 @@ class DraftGate:
             or near_best_ms < 0.0
             or not 0.0 <= near_tie_rate < 1.0
             or tail_steps < 0
+            or recheck_steps < 1
         ):
             raise ValueError(
                 "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0, near_best_ms >= 0,"
-                " near_tie_rate in [0, 1) and tail_steps >= 0"
+                " near_tie_rate in [0, 1), tail_steps >= 0 and recheck_steps >= 1"
             )
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
@@ -229,6 +232,7 @@ class DraftGate:
         self.near_best_ms = near_best_ms
         self.near_tie_rate = near_tie_rate
         self.tail_steps = tail_steps
+        self.recheck_steps = recheck_steps
         self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
         # [positions] recent mean of calibrated over calibrated mean (1 where `record_curve` is
         # given no calibration: its probabilities are acceptance already)
@@ -462,7 +466,7 @@ class DraftGate:
             0,
             min(
                 self._drafted_interval(self._streak_turns) - self.steps_since_probe,
-                recheck_steps(self._streak_batch) - self._streak_age,
+                recheck_steps(self._streak_batch, self.recheck_steps) - self._streak_age,
             ),
         )
 
@@ -548,7 +552,8 @@ class DraftGate:
             interval = self.plain_probe_interval(self._streak_batch)
             return self.steps_since_probe < interval and not moved[0]
         due = self.steps_since_probe >= self._drafted_interval(self._streak_turns)
-        return not due and not any(moved) and self._streak_age < recheck_steps(self._streak_batch)
+        fresh = self._streak_age < recheck_steps(self._streak_batch, self.recheck_steps)
+        return not due and not any(moved) and fresh
 
     def _probe_ceiling(self, best: int, options: dict[str, int]) -> int:
         """A drafting probe's ceiling, the directions taken in turn (`PROBE_TURNS`): twice the
@@ -800,10 +805,10 @@ def _widest_near_best(
     return int(np.flatnonzero(near)[-1])
 
 
-def recheck_steps(batch_size: int) -> int:
+def recheck_steps(batch_size: int, least: int = DRAFTED_RECHECK_STEPS) -> int:
     """Steps a drafting streak decided at this batch size keeps its choice before deciding
-    again (`DRAFTED_RECHECK_STEPS`, `RECHECK_REQUESTS`)."""
-    return max(DRAFTED_RECHECK_STEPS, -(-RECHECK_REQUESTS // max(batch_size, 1)))
+    again: `least` (`DRAFTED_RECHECK_STEPS`), or more at small batches (`RECHECK_REQUESTS`)."""
+    return max(least, -(-RECHECK_REQUESTS // max(batch_size, 1)))
 
 
 def _below(forecasts: dict[int, float], ceiling: int) -> dict[int, float]:
