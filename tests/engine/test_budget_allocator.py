@@ -901,6 +901,32 @@ def test_a_cruise_reaches_the_next_decision_where_asking_every_step_would(monkey
     assert len(cruise_lengths) >= 8 and ends == {"probe", "recheck"} and teaching_settled > 0
 
 
+def draft_with_top(p_top: float, depth: int = 6, k: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """A draft `(logp, ids)` `[depth, k]` whose top token has probability `p_top` at every
+    position and each next rank half the one before."""
+    logp = np.tile(np.log(p_top * 0.5 ** np.arange(k)), (depth, 1))
+    ids = np.tile(np.arange(k), (depth, 1)) + 10 * np.arange(depth)[:, None]
+    return logp, ids
+
+
+def test_a_weighing_that_keeps_no_draft_node_leaves_no_width_to_settle_at():
+    """Where each verified token is dear (3 ms over a 4 ms step), a tree the drafter doubts (0.1
+    at its first node) is worth no node: that step verifies its root. Its width (0) must not
+    become the streak's settled width, which its later steps would take unweighed, verifying
+    roots while drafting until the recheck (64 steps at batch 1); a confident tree's weighing
+    keeps its nodes and their width. On the Kimi K2.6 slice's cost replay at c = 1
+    (`bench/budget_sweep.py --simulate-cost`) the adaptive engine made 0.71 of fixed-8 so."""
+    for p_top, kept in ((0.1, False), (0.95, True)):
+        policy = AdaptiveBudget(linear_curve(4.0, 3.0, draft_ms=1.0), learning_steps=0)
+        ceiling = policy.plan([8])
+        assert ceiling > 0  # the first step drafts (`FIRST_STEP_PLAIN_STEPS`)
+        policy.record_draft_ms(1.0)
+        tree = TreeBatch.from_trees([build_ddtree(*draft_with_top(p_top), ceiling, root_token=7)])
+        allocation = policy.choose(tree, [8])
+        assert (allocation.num_nodes[0] > 0) == kept
+        assert policy._weighed == ((ceiling, allocation.num_nodes[0]) if kept else None)
+
+
 def test_a_request_at_its_last_token_leaves_the_others_weighing_and_settled_width(monkeypatch):
     """One of two requests is at its last token (cap 0, a root-only tree) at every step, as some
     request nearly always is in a server's full batch: the other's weighing still records its

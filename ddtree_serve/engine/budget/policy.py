@@ -517,7 +517,11 @@ class AdaptiveBudget:
                 # once. Taking the probe's, it weighed again, and only the step after armed it:
                 # on an H100 at c = 1-2 each probe was followed by a step that weighed (0.28 ms
                 # over a cruise) and a settled one (0.22 ms), every 17 steps.
-                self._weighed = (self._ceiling, width) if uncut else None
+                # A weighing that kept no draft node (each tree's first node not worth its
+                # verify: a steep per-token cost, a tree the drafter doubts) is no width for the
+                # streak's steps to reuse unweighed: settled at 0, a drafting streak verified
+                # roots only until its recheck (64 steps at batch 1), whatever its trees.
+                self._weighed = (self._ceiling, width) if uncut and width > 0 else None
         else:
             accept_probs = [row[:length] for row, length in zip(calibrated, lengths.tolist(), strict=True)]
             self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
