@@ -29,6 +29,7 @@ from ddtree_serve.engine.budget.policy import (
     EARLY_CALIBRATIONS,
     LEARNING_STEPS,
     NODE_LESSON_INTERVAL,
+    SETTLE_BELOW_MS,
     SETTLED_LESSON_INTERVAL,
     _Cruise,
 )
@@ -925,6 +926,22 @@ def test_a_weighing_that_keeps_no_draft_node_leaves_no_width_to_settle_at():
         allocation = policy.choose(tree, [8])
         assert (allocation.num_nodes[0] > 0) == kept
         assert policy._weighed == ((ceiling, allocation.num_nodes[0]) if kept else None)
+
+
+def test_a_long_step_weighs_its_own_trees_instead_of_settling():
+    """Where a drafted step is predicted to take `SETTLE_BELOW_MS` or more (a many-expert
+    target's), a weighing is a small share of it: the streak's later steps weigh their own trees
+    too, so the weighing leaves no width to reuse. A short step's weighing leaves its width."""
+    for fixed_ms, settles in ((4.0, True), (SETTLE_BELOW_MS, False)):
+        policy = AdaptiveBudget(linear_curve(fixed_ms, 0.01, draft_ms=1.0), learning_steps=0)
+        ceiling = policy.plan([8])
+        assert ceiling > 0
+        policy.record_draft_ms(1.0)
+        tree = TreeBatch.from_trees([build_ddtree(*draft_with_top(0.95), ceiling, root_token=7)])
+        allocation = policy.choose(tree, [8])
+        assert allocation.num_nodes[0] > 0
+        assert (allocation.step_ms < SETTLE_BELOW_MS) == settles
+        assert (policy._weighed is not None) == settles
 
 
 def test_a_request_at_its_last_token_leaves_the_others_weighing_and_settled_width(monkeypatch):

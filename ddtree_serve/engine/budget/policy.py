@@ -98,6 +98,14 @@ are that cheap, one step in `NODE_LESSON_INTERVAL` only starved the calibrator, 
 forecast the first nodes of a tree at 0.7 where they were accepted 0.9 of the time, so the
 gate took ceiling 32 at c = 1 where 8 wins (the CPU's drafter is dear)."""
 
+SETTLE_BELOW_MS = 25.0
+"""A drafting streak's steps reuse its last weighing's width unweighed (`settled`) only where a
+drafted step is predicted to take less than this: a weighing costs the host 0.1-0.5 ms, a tenth
+of a 3 ms step on a GPU with a small pair, and under 2% of a longer one, while weighing each
+step's own trees gives each request the nodes its tree is worth. On the Kimi K2.6 slice's cost
+replay (steps of 70 ms and more; `bench/budget_sweep.py --simulate-cost`) weighing every step
+took c = 1 and 2 from 1.14 and 1.21 of the best fixed budget to 1.21 and 1.27."""
+
 CRUISE_LESSON_BATCH = 8
 """A drafting cruise's steps teach the gate their tokens this many at a time (`learn`): the gate
 reads what they teach only when it decides, and `plan` teaches any still waiting first. One at a
@@ -521,7 +529,9 @@ class AdaptiveBudget:
                 # verify: a steep per-token cost, a tree the drafter doubts) is no width for the
                 # streak's steps to reuse unweighed: settled at 0, a drafting streak verified
                 # roots only until its recheck (64 steps at batch 1), whatever its trees.
-                self._weighed = (self._ceiling, width) if uncut and width > 0 else None
+                # Nor is a step so long that weighing it costs little (`SETTLE_BELOW_MS`).
+                settles = uncut and width > 0 and self._allocation.step_ms < SETTLE_BELOW_MS
+                self._weighed = (self._ceiling, width) if settles else None
         else:
             accept_probs = [row[:length] for row, length in zip(calibrated, lengths.tolist(), strict=True)]
             self._allocation = allocate(accept_probs, caps, self.cost, draft_ms=draft_ms, layout=self.layout)
