@@ -20,7 +20,12 @@ from ddtree_serve.engine.budget import (
     draft_gate,
     plain_decode_rate,
 )
-from ddtree_serve.engine.budget.allocator import TRIM_MIN_GAIN, allocate_padded_rows, ceiling_rates
+from ddtree_serve.engine.budget.allocator import (
+    TRIM_MIN_GAIN,
+    Allocation,
+    allocate_padded_rows,
+    ceiling_rates,
+)
 from ddtree_serve.engine.budget.draft_gate import PROBE_SHARE, TAIL_STEPS, recheck_steps
 from ddtree_serve.engine.budget.policy import (
     CALIBRATION_STEPS,
@@ -910,6 +915,17 @@ def draft_with_top(p_top: float, depth: int = 6, k: int = 8) -> tuple[np.ndarray
     return logp, ids
 
 
+def first_weighing(curve: CostCurve, p_top: float) -> tuple[AdaptiveBudget, int, Allocation]:
+    """A fresh policy's first step over `curve`, one request at cap 8 whose tree is
+    `draft_with_top(p_top)`'s: the policy, its ceiling and the weighing's allocation."""
+    policy = AdaptiveBudget(curve, learning_steps=0)
+    ceiling = policy.plan([8])
+    assert ceiling > 0  # the first step drafts (`FIRST_STEP_PLAIN_STEPS`)
+    policy.record_draft_ms(1.0)
+    tree = TreeBatch.from_trees([build_ddtree(*draft_with_top(p_top), ceiling, root_token=7)])
+    return policy, ceiling, policy.choose(tree, [8])
+
+
 def test_a_weighing_that_keeps_no_draft_node_leaves_no_width_to_settle_at():
     """Where each verified token is dear (3 ms over a 4 ms step), a tree the drafter doubts (0.1
     at its first node) is worth no node: that step verifies its root. Its width (0) must not
@@ -918,12 +934,7 @@ def test_a_weighing_that_keeps_no_draft_node_leaves_no_width_to_settle_at():
     keeps its nodes and their width. On the Kimi K2.6 slice's cost replay at c = 1
     (`bench/budget_sweep.py --simulate-cost`) the adaptive engine made 0.71 of fixed-8 so."""
     for p_top, kept in ((0.1, False), (0.95, True)):
-        policy = AdaptiveBudget(linear_curve(4.0, 3.0, draft_ms=1.0), learning_steps=0)
-        ceiling = policy.plan([8])
-        assert ceiling > 0  # the first step drafts (`FIRST_STEP_PLAIN_STEPS`)
-        policy.record_draft_ms(1.0)
-        tree = TreeBatch.from_trees([build_ddtree(*draft_with_top(p_top), ceiling, root_token=7)])
-        allocation = policy.choose(tree, [8])
+        policy, ceiling, allocation = first_weighing(linear_curve(4.0, 3.0, draft_ms=1.0), p_top)
         assert (allocation.num_nodes[0] > 0) == kept
         assert policy._weighed == ((ceiling, allocation.num_nodes[0]) if kept else None)
 
@@ -933,12 +944,7 @@ def test_a_long_step_weighs_its_own_trees_instead_of_settling():
     target's), a weighing is a small share of it: the streak's later steps weigh their own trees
     too, so the weighing leaves no width to reuse. A short step's weighing leaves its width."""
     for fixed_ms, settles in ((4.0, True), (SETTLE_BELOW_MS, False)):
-        policy = AdaptiveBudget(linear_curve(fixed_ms, 0.01, draft_ms=1.0), learning_steps=0)
-        ceiling = policy.plan([8])
-        assert ceiling > 0
-        policy.record_draft_ms(1.0)
-        tree = TreeBatch.from_trees([build_ddtree(*draft_with_top(0.95), ceiling, root_token=7)])
-        allocation = policy.choose(tree, [8])
+        policy, _, allocation = first_weighing(linear_curve(fixed_ms, 0.01, draft_ms=1.0), 0.95)
         assert allocation.num_nodes[0] > 0
         assert (allocation.step_ms < SETTLE_BELOW_MS) == settles
         assert (policy._weighed is not None) == settles
