@@ -89,7 +89,6 @@ settles on ceiling 16 at batch 8 reads 0.02-0.03 under one on 32 either way. At 
 tail was most of a 32-token run at c = 1 on the CI CPU (3 tokens a step), where a decision
 costs a fifteenth of a step."""
 
-
 RECHECK_REQUESTS = 64
 """... and after its steps held this many requests between them: at batch 1 a step teaches one
 request's tree, so eight of them move the curve little, while the decision costs what it costs
@@ -466,7 +465,7 @@ class DraftGate:
             0,
             min(
                 self._drafted_interval(self._streak_turns) - self.steps_since_probe,
-                recheck_steps(self._streak_batch, self.recheck_steps) - self._streak_age,
+                self._streak_recheck - self._streak_age,
             ),
         )
 
@@ -552,8 +551,13 @@ class DraftGate:
             interval = self.plain_probe_interval(self._streak_batch)
             return self.steps_since_probe < interval and not moved[0]
         due = self.steps_since_probe >= self._drafted_interval(self._streak_turns)
-        fresh = self._streak_age < recheck_steps(self._streak_batch, self.recheck_steps)
-        return not due and not any(moved) and fresh
+        return not due and not any(moved) and self._streak_age < self._streak_recheck
+
+    @property
+    def _streak_recheck(self) -> int:
+        """The steps the drafting streak under way holds before deciding again (`recheck_steps`
+        at the batch it was decided at, at least `self.recheck_steps`)."""
+        return recheck_steps(self._streak_batch, self.recheck_steps)
 
     def _probe_ceiling(self, best: int, options: dict[str, int]) -> int:
         """A drafting probe's ceiling, the directions taken in turn (`PROBE_TURNS`): twice the
