@@ -80,7 +80,7 @@ class GrpcAdapter(IngressCore):
         metadata = dict(context.invocation_metadata())
         if message.request_id:
             request_id = self._check_request_id(message.request_id, "request_id")
-        elif REQUEST_ID_HEADER in metadata:
+        elif metadata.get(REQUEST_ID_HEADER):  # an empty one is none, as over HTTP
             request_id = self._check_request_id(metadata[REQUEST_ID_HEADER], REQUEST_ID_HEADER)
         else:
             request_id = context.request_id() or f"grpc-{uuid.uuid4().hex}"

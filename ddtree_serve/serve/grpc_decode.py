@@ -18,6 +18,12 @@ MessageT = TypeVar("MessageT", bound=Message)
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 _ONE_PER_ELEMENT = (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
 
+MAX_NESTING = 100
+"""Messages within messages the walk follows: protobuf's own default recursion limit, past which
+it refuses a message however valid its bytes (a `google.protobuf.Struct` nested a few hundred
+levels, a few KB). Unbounded, the walk went one Python frame deeper a level and ended in a
+`RecursionError`: an internal error where the client sent a bad message."""
+
 
 def decode(message_class: type[MessageT], data: bytes | MessageT) -> MessageT:
     """`data` parsed as `message_class`; a message already decoded (a handle call) is returned."""
@@ -38,8 +44,12 @@ class _Truncated(Exception):
     pass
 
 
-def _wire_problem(descriptor: Descriptor, data: bytes, path: str) -> tuple[str, str | None]:
-    """The first thing in `data` that protobuf refuses, and the dotted field path where it is."""
+def _wire_problem(descriptor: Descriptor, data: bytes, path: str, depth: int = 0) -> tuple[str, str | None]:
+    """The first thing in `data` that protobuf refuses, and the dotted field path where it is;
+    `depth`: the messages `data` is nested in."""
+    if depth > MAX_NESTING:
+        outermost = path.split(".")[0]
+        return f"field `{outermost}` nests messages more than {MAX_NESTING} deep", outermost
     position, seen, name = 0, dict[int, int](), path
     try:
         while position < len(data):
@@ -59,7 +69,7 @@ def _wire_problem(descriptor: Descriptor, data: bytes, path: str) -> tuple[str, 
                 position += length
                 if position > len(data):
                     raise _Truncated
-                if problem := _payload_problem(field, payload, name):
+                if problem := _payload_problem(field, payload, name, depth):
                     return problem
             else:
                 return f"wire type {wire_type} is not supported", name
@@ -72,7 +82,9 @@ def _wire_problem(descriptor: Descriptor, data: bytes, path: str) -> tuple[str, 
     return "not a valid protobuf encoding", path or None
 
 
-def _payload_problem(field: FieldDescriptor | None, payload: bytes, name: str) -> tuple[str, str] | None:
+def _payload_problem(
+    field: FieldDescriptor | None, payload: bytes, name: str, depth: int
+) -> tuple[str, str] | None:
     if field is None:
         return None  # an unknown field is kept as bytes: nothing to check
     if field.type == FieldDescriptor.TYPE_STRING:
@@ -81,7 +93,7 @@ def _payload_problem(field: FieldDescriptor | None, payload: bytes, name: str) -
         except UnicodeDecodeError as error:
             return f"field `{name}` is not valid UTF-8 (byte {error.start})", name
     elif field.type == FieldDescriptor.TYPE_MESSAGE:
-        problem, where = _wire_problem(field.message_type, payload, name)
+        problem, where = _wire_problem(field.message_type, payload, name, depth + 1)
         if problem != "not a valid protobuf encoding":
             return problem, where or name
     return None

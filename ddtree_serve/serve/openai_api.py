@@ -255,6 +255,8 @@ def parse_body(body_class: type[Body], content_type: str | None, body: bytes, re
         raw = json.loads(body)
     except ValueError as error:  # also bytes that are not UTF-8
         raise invalid(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise invalid("the request body nests JSON deeper than this server parses") from None
     if not isinstance(raw, dict):
         raise invalid(f"the request body must be a JSON object, got {type(raw).__name__}")
     try:

@@ -57,8 +57,11 @@ def test_suffix_is_refused_and_neutral_values_are_accepted() -> None:
 
 
 class _Context:
+    def __init__(self, metadata: list[tuple[str, str]] | None = None) -> None:
+        self._metadata = metadata or []
+
     def invocation_metadata(self) -> list[tuple[str, str]]:
-        return []
+        return self._metadata
 
     def request_id(self) -> str:
         return "grpc-test"
@@ -92,6 +95,7 @@ def test_a_seed_beyond_64_bits_is_refused_naming_the_seed() -> None:
         (CompletionRequest, JSON, b"{not json", None, "not valid JSON"),
         (CompletionRequest, JSON, b'{"prompt": "\xff"}', None, "not valid JSON"),
         (CompletionRequest, JSON, b"[1, 2]", None, "JSON object"),
+        (CompletionRequest, JSON, b"{\"prompt\": " + b"[" * 5000 + b"]" * 5000 + b"}", None, "nests JSON"),
         (CompletionRequest, JSON, b'{"prompt": "\\ud800"}', "prompt", "Unicode"),
         (CompletionRequest, JSON, b'{"prompt": "hi", "model": "\\udfff"}', "model", "Unicode"),
         (CompletionRequest, JSON, b'{"prompt": "hi", "stop": ["\\ud800"]}', "stop", "Unicode"),
@@ -153,6 +157,30 @@ def not_utf8(message: Any) -> bytes:
     return bytes(message.SerializeToString().replace("é".encode(), b"\xc3\x28"))
 
 
+def nested_struct_field(levels: int) -> bytes:
+    """`chat_template_kwargs` (a `google.protobuf.Struct`) as wire bytes: {"k": [[...[1.0]...]]}
+    with `levels` lists, a message deeper than protobuf decodes (built by hand: the library
+    refuses to build it too)."""
+
+    def length_delimited(field: int, payload: bytes) -> bytes:
+        return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+    value = b"\x11" + bytes(8)  # Value.number_value = 0.0
+    for _ in range(levels):  # Value.list_value (field 6) = ListValue{values (field 1): [value]}
+        value = length_delimited(6, length_delimited(1, value))
+    entry = length_delimited(1, b"k") + length_delimited(2, value)  # Struct.fields map entry
+    number = pb2.GenerateRequest.DESCRIPTOR.fields_by_name["chat_template_kwargs"].number
+    return length_delimited(number, length_delimited(1, entry))
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
 def grpc_adapter() -> GrpcAdapter:
     config = ServeConfig()
     return GrpcAdapter(None, config, ChatFormat.from_config(config))  # type: ignore[arg-type]
@@ -176,6 +204,8 @@ def grpc_adapter() -> GrpcAdapter:
         (pb2.GenerateRequest(prompt="hi", prompt_token_ids=[1]).SerializeToString(), "prompt_token_ids",
          "exactly one"),
         (pb2.GenerateRequest(prompt_token_ids=[1, -1]).SerializeToString(), "prompt_token_ids", ">= 0"),
+        (pb2.GenerateRequest(prompt="hi").SerializeToString() + nested_struct_field(300),
+         "chat_template_kwargs", "nests messages more than 100 deep"),
     ],
 )  # fmt: skip
 def test_grpc_requests_are_decoded_and_checked_before_any_work(
@@ -186,6 +216,13 @@ def test_grpc_requests_are_decoded_and_checked_before_any_work(
         grpc_adapter()._grpc_request(raw, _Context())
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
     assert raised.value.param == param and fragment in raised.value.message, raised.value.message
+
+
+def test_an_empty_grpc_request_id_header_is_no_request_id() -> None:
+    context = _Context([("x-request-id", "")])
+    assert grpc_adapter()._grpc_request(pb2.GenerateRequest(prompt="hi"), context).request_id == "grpc-test"
+    context = _Context([("x-request-id", "mine")])
+    assert grpc_adapter()._grpc_request(pb2.GenerateRequest(prompt="hi"), context).request_id == "mine"
 
 
 def test_grpc_token_id_prompt_and_explicit_max_tokens_reach_the_generation_request() -> None:
