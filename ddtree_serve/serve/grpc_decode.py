@@ -18,6 +18,9 @@ MessageT = TypeVar("MessageT", bound=Message)
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 _ONE_PER_ELEMENT = (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
 
+NO_FAULT_FOUND = "not a valid protobuf encoding"
+"""The walk's verdict on bytes it finds no fault in: of bytes protobuf refused, all it can say."""
+
 MAX_NESTING = 100
 """Messages within messages the walk follows: protobuf's own default recursion limit, past which
 it refuses a message however valid its bytes (a `google.protobuf.Struct` nested a few hundred
@@ -30,9 +33,15 @@ def decode(message_class: type[MessageT], data: bytes | MessageT) -> MessageT:
     if isinstance(data, message_class):
         return data
     try:
-        return message_class.FromString(bytes(data))
+        message = message_class.FromString(bytes(data))
     except DecodeError:
         raise undecodable(message_class.DESCRIPTOR, bytes(data)) from None
+    if data and not message_class.DESCRIPTOR.fields:
+        # protobuf (upb) parses a message without fields unchecked: field number 0 passes there.
+        problem, field = _wire_problem(message_class.DESCRIPTOR, bytes(data), "")
+        if problem != NO_FAULT_FOUND:
+            raise invalid(f"undecodable {message_class.DESCRIPTOR.full_name} message: {problem}", field)
+    return message
 
 
 def undecodable(descriptor: Descriptor, data: bytes) -> RequestError:
@@ -79,7 +88,7 @@ def _wire_problem(descriptor: Descriptor, data: bytes, path: str, depth: int = 0
         return (f"the message is truncated (in field `{name}`)" if name else "the message is truncated"), (
             name or None
         )
-    return "not a valid protobuf encoding", path or None
+    return NO_FAULT_FOUND, path or None
 
 
 def _payload_problem(
@@ -94,7 +103,7 @@ def _payload_problem(
             return f"field `{name}` is not valid UTF-8 (byte {error.start})", name
     elif field.type == FieldDescriptor.TYPE_MESSAGE:
         problem, where = _wire_problem(field.message_type, payload, name, depth + 1)
-        if problem != "not a valid protobuf encoding":
+        if problem != NO_FAULT_FOUND:
             return problem, where or name
     return None
 

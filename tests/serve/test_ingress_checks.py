@@ -10,6 +10,7 @@ from ddtree_serve.serve.chat import ChatFormat
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.errors import ErrorKind, RequestError
 from ddtree_serve.serve.grpc_adapter import GrpcAdapter
+from ddtree_serve.serve.grpc_decode import decode
 from ddtree_serve.serve.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from ddtree_serve.serve.protocol import GenerationRequest
 from ddtree_serve.serve.protos import pb2
@@ -216,6 +217,14 @@ def test_grpc_requests_are_decoded_and_checked_before_any_work(
         grpc_adapter()._grpc_request(raw, _Context())
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
     assert raised.value.param == param and fragment in raised.value.message, raised.value.message
+
+
+def test_a_field_number_0_is_refused_in_a_message_without_fields() -> None:
+    assert decode(pb2.ModelInfoRequest, b"") == pb2.ModelInfoRequest()
+    assert isinstance(decode(pb2.ModelInfoRequest, b"\x08\x01"), pb2.ModelInfoRequest)  # an unknown field
+    with pytest.raises(RequestError, match="field number 0") as raised:
+        decode(pb2.ModelInfoRequest, b"\x00\x01")
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
 
 
 def test_an_empty_grpc_request_id_header_is_no_request_id() -> None:
