@@ -48,6 +48,7 @@ from ddtree_serve.serve.group import (
 from ddtree_serve.serve.load import GroupLoad
 from ddtree_serve.serve.observed_engine import StepObserver, StepRecord, group_engine
 from ddtree_serve.serve.protocol import GenerationChunk, GenerationRequest, Usage
+from ddtree_serve.serve.refusal_log import install_refusal_log_filter
 from ddtree_serve.serve.supervisor import EngineSupervisor
 from ddtree_serve.serve.target_group import RayTargetGroup
 from ddtree_serve.serve.telemetry import GroupTelemetry
@@ -204,6 +205,7 @@ class Coordinator:
         load: GroupLoad,
         restart: Callable[[AsyncLLM], AsyncLLM] | None,
     ) -> None:
+        install_refusal_log_filter()
         self._config = config
         self._supervisor = EngineSupervisor(llm, restart, config.placement.target_restart_timeout_s)
         self._telemetry = telemetry
