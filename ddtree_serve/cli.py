@@ -9,6 +9,7 @@ Bad values exit with code 2 and a one-line message, never a traceback.
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -17,6 +18,12 @@ from typing import Any
 import pydantic
 
 from ddtree_serve.config import EngineConfig
+
+MAX_THREADS = 4 * (os.cpu_count() or 1)
+"""`--threads` above this is a typo: torch's thread pool fails to start (or crashes) far past it."""
+
+MAX_ERROR_CHARS = 400
+"""A load error's message is cut here: a state-dict mismatch lists every key."""
 
 _GENERATE_EXAMPLES = """examples:
   ddtree-serve generate "def fibonacci(n):"
@@ -121,7 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ddtree_serve.serve.launcher import run_serve
 
         return run_serve(args)
-    return run_generate(args.command_parser, args)
+    try:
+        return run_generate(args.command_parser, args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130  # as a shell reports a command stopped by Ctrl-C
+    except BrokenPipeError:
+        # The reader went away (`| head`): say nothing more, as other command-line tools do, and
+        # keep Python's own flush at exit from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -131,9 +147,7 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     from ddtree_serve.engine.llm import LLM
     from ddtree_serve.engine.sampling_params import SamplingParams
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    if not prompt.strip():
-        parser.error("the prompt is empty (pass it as an argument or on stdin)")
+    prompt = _prompt(parser, args.prompt)
     try:
         config = EngineConfig(
             target=args.target,
@@ -162,17 +176,27 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         parser.error(f"--{problem}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
-    if args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if not 1 <= args.threads <= MAX_THREADS:
+        parser.error(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
+    if args.cost_curve is not None:
+        if args.budget_policy != "adaptive":
+            parser.error("--cost-curve prices the adaptive budget's steps: pass --budget-policy adaptive")
+        if problem := cost_curve_problem(args.cost_curve):
+            parser.error(f"--cost-curve {args.cost_curve}: {problem}")
     torch.set_num_threads(args.threads)
 
     try:
         llm = LLM.from_config(config)
+    except Exception as error:  # any file that does not load is a one-line answer
+        models = f"target {config.target or 'bundled'}"
+        if config.mode != "ar":
+            models += f", drafter {config.drafter or 'bundled'}"
+        problem = _load_error(error)
+        parser.exit(2, f"ddtree-serve generate: error: the models did not load ({models}): {problem}\n")
+    try:
         start = time.perf_counter()
         final = _stream(llm, prompt, params, echo=not args.json)
         seconds = time.perf_counter() - start
-    except FileNotFoundError as error:
-        parser.exit(2, f"ddtree-serve generate: error: {one_line_error(error)} (pass --target/--drafter)\n")
     except (ValueError, RuntimeError) as error:
         parser.exit(2, f"ddtree-serve generate: error: {one_line_error(error)}\n")
     stats: dict[str, Any] = {**final.stats.as_dict(), "finish_reason": final.finish_reason}
@@ -187,6 +211,47 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             file=sys.stderr,
         )
     return 0
+
+
+def _prompt(parser: argparse.ArgumentParser, argument: str | None) -> str:
+    """The prompt argument, else stdin, as UTF-8 text (the tokenizer takes nothing else)."""
+    if argument is None:
+        try:
+            argument = sys.stdin.read()
+        except UnicodeDecodeError:
+            parser.error(f"the prompt on stdin is not {sys.stdin.encoding} text")
+    try:
+        argument.encode("utf-8")  # bytes that are not UTF-8 arrive as surrogates (POSIX locale, argv)
+    except UnicodeEncodeError as error:
+        parser.error(f"the prompt is not UTF-8 text (character {error.start})")
+    if not argument.strip():
+        parser.error("the prompt is empty (pass it as an argument or on stdin)")
+    return argument
+
+
+def cost_curve_problem(path: str) -> str | None:
+    """What keeps the cost-curve file at `path` from loading, in one line (None: it loads)."""
+    from ddtree_serve.engine.budget import load_cost_curve
+
+    try:
+        load_cost_curve(path)
+    except Exception as error:  # a file of any shape: JSON, OS and format errors
+        return _load_error(error)
+    return None
+
+
+def _load_error(error: BaseException) -> str:
+    """A loader's exception as one line: the file it names (when it does) and its message, its
+    lines joined (torch's state-dict report spreads one mismatch over several)."""
+    if isinstance(error, FileNotFoundError | IsADirectoryError | PermissionError) and error.filename:
+        return f"{error.filename}: {error.strerror}"
+    lines = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if len(lines) > MAX_ERROR_CHARS:
+        lines = lines[: MAX_ERROR_CHARS - 3] + "..."
+    if isinstance(error, KeyError | TypeError | AttributeError | IndexError):
+        # A config or checkpoint missing what the model needs: the type says more than the key.
+        return f"{type(error).__name__}: {lines}" if lines else type(error).__name__
+    return lines or type(error).__name__
 
 
 def _stream(llm: Any, prompt: str, params: Any, echo: bool) -> Any:

@@ -2,8 +2,10 @@
 
 import io
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,11 +65,17 @@ def test_streamed_text_equals_json_text_and_stdin_prompt_works(model_args, capsy
         (["generate", "--mode", "beam", "x"], "--mode"),
         (["generate", "--device", "tpu", "x"], "device"),
         (["generate", "--threads", "0", "x"], "--threads"),
+        (["generate", "--threads", "100000", "x"], "--threads must be in [1, "),
+        (["generate", "--seed", str(2**64), "x"], "seed must be in [0, 2**64)"),
+        (["generate", "--cost-curve", "c.json", "x"], "pass --budget-policy adaptive"),
+        (["generate", "--budget-policy", "adaptive", "--cost-curve", "/no/c.json", "x"],
+         "--cost-curve /no/c.json: /no/c.json: No such file"),
+        (["generate", "caf\udce9"], "the prompt is not UTF-8 text"),
         (["generate", "--target", "/no/such/dir", "--mode", "ar", "x"], "not a model directory"),
         (["generate", "--drafter", "/d", "x"], "needs its own target"),
         (["nonsense"], "invalid choice"),
     ],
-)
+)  # fmt: skip
 def test_bad_values_exit_2_with_a_message(argv, message, capsys):
     code, _, err = run_main(argv, capsys)
     assert code == 2
@@ -101,3 +109,63 @@ def test_serve_arguments_come_from_the_launcher(capsys):
     code, out, _ = run_main(["serve", "--help"], capsys)
     assert code == 0
     assert "--http-port" in out
+
+
+def copied_pair(tiny_target_dir: Path, tiny_drafter_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    shutil.copytree(tiny_target_dir, target)
+    shutil.copytree(tiny_drafter_dir, drafter)
+    return target, drafter
+
+
+def edit_json(path: Path, **fields: object) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncated weights", "did not load"),
+        ("garbage tokenizer", "did not load"),
+        ("config without hidden_size", "KeyError: 'hidden_size'"),
+        ("drafter on layers the target lacks", "layers [9] do not exist"),
+        ("drafter block size 0", "block_size must be >= 2"),
+    ],
+)
+def test_model_files_that_do_not_load_exit_2_with_one_line(
+    damage: str, message: str, tiny_target_dir: Path, tiny_drafter_dir: Path, tmp_path: Path, capsys
+) -> None:
+    target, drafter = copied_pair(tiny_target_dir, tiny_drafter_dir, tmp_path)
+    if damage == "truncated weights":
+        weights = target / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "garbage tokenizer":
+        (target / "tokenizer.json").write_text("not json")
+    elif damage == "config without hidden_size":
+        config = json.loads((target / "config.json").read_text())
+        del config["hidden_size"]
+        (target / "config.json").write_text(json.dumps(config))
+    elif damage == "drafter on layers the target lacks":  # the tiny target has 4
+        config = json.loads((drafter / "config.json").read_text())
+        config["dflash_config"]["target_layer_ids"] = [1, 9]
+        (drafter / "config.json").write_text(json.dumps(config))
+    else:
+        edit_json(drafter / "config.json", block_size=0)
+    argv = ["generate", "--target", str(target), "--drafter", str(drafter), "--max-tokens", "2", "x"]
+    code, _, err = run_main(argv, capsys)
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 + err.count("usage:") * 2
+
+
+def test_a_reader_that_stops_early_ends_the_stream_quietly(model_args: list[str]) -> None:
+    # Long enough that the writes go on after the reader has gone (the first token comes first).
+    argv = [sys.executable, "-m", "ddtree_serve.cli", "generate", *model_args, "--max-tokens", "600"]
+    process = subprocess.Popen(
+        [*argv, "--ignore-eos", "def add(a, b):"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.read(1)
+    process.stdout.close()  # as `| head -c1` does
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

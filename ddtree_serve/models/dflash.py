@@ -74,9 +74,12 @@ class DFlashConfig:
         layer_ids = read("target_layer_ids")
         if layer_ids is None:
             layer_ids = default_target_layer_ids(num_target_layers, decoder.num_hidden_layers)
+        block_size = int(read("block_size", 16))
+        if block_size < 2:  # the block's first position is the last committed token
+            raise ValueError(f"DFlash config: block_size must be >= 2, got {block_size}")
         return cls(
             decoder=decoder,
-            block_size=int(read("block_size", 16)),
+            block_size=block_size,
             mask_token_id=int(mask_token_id),
             target_layer_ids=tuple(int(i) for i in layer_ids),
             num_target_layers=num_target_layers,

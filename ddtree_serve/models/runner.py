@@ -64,6 +64,13 @@ class TargetRunner:
         self.device = first.device
         self.dtype = first.dtype
         self.target_layer_ids = tuple(target_layer_ids or ())
+        num_layers = self.config.num_hidden_layers
+        if outside := [i for i in self.target_layer_ids if not 0 <= i < num_layers]:
+            # A drafter made for another target: found here, not as a KeyError at the first step.
+            raise ValueError(
+                f"the drafter conditions on target layers {list(self.target_layer_ids)}, but the target "
+                f"has {num_layers} layers (0-{num_layers - 1}): layers {outside} do not exist"
+            )
         self.eos_token_ids = tuple(eos_token_ids) or self.config.eos_token_ids
         avoid_per_shape_attention_plans(self.device)
         tp = tensor_parallel or TensorParallel.single()

@@ -106,6 +106,9 @@ def test_loader_refuses_what_it_cannot_read():
         load_cost_curve({"tokens": [1, 2]})
     with pytest.raises(ValueError, match="ascending"):
         load_cost_curve({"tokens": [2, 1], "ms": [1.0, 2.0]})
+    for shapeless in (None, 42, [1, 2], {"entries": [3]}):
+        with pytest.raises(ValueError, match="a cost curve is a JSON object"):
+            load_cost_curve(shapeless)  # type: ignore[arg-type]
 
 
 class LinearProbe:

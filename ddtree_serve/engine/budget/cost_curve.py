@@ -178,6 +178,8 @@ def load_cost_curve(source: str | Path | Mapping[str, Any] | Sequence[Mapping[st
     """A `CostCurve` from a JSON file path or its parsed content (formats in the module docstring)."""
     data = json.loads(Path(source).read_text()) if isinstance(source, str | Path) else source
     spec: Mapping[str, Any] = {"entries": data} if isinstance(data, Sequence) else data
+    if not isinstance(spec, Mapping) or not all(isinstance(e, Mapping) for e in spec.get("entries", ())):
+        raise ValueError("a cost curve is a JSON object, or a list of entries that are objects")
     if "entries" in spec:
         batch_sizes, token_counts, grid = _grid_from_entries(spec["entries"])
     else:
