@@ -539,21 +539,23 @@ class ServeConfig(_Strict):
         return cls.model_validate(serve_file_to_args(raw))
 
 
-def serve_file_to_args(raw: dict[str, Any]) -> dict[str, Any]:
+def serve_file_to_args(raw: Any) -> dict[str, Any]:
     """The ServeConfig fields described by a YAML document of either supported shape."""
+    raw = _mapping(raw, "the config file")
     if "applications" not in raw:
         return raw
     applications = raw["applications"]
-    if len(applications) != 1:
-        raise ValueError(f"expected exactly one application in the Serve config, got {len(applications)}")
-    application = applications[0]
-    args = dict(application.get("args") or {})
+    if not isinstance(applications, list) or len(applications) != 1:
+        count = len(applications) if isinstance(applications, list) else type(applications).__name__
+        raise ValueError(f"expected a list of exactly one application in the Serve config, got {count}")
+    application = _mapping(applications[0], "applications[0]")
+    args = dict(_mapping(application.get("args") or {}, "applications[0].args"))
     args.setdefault("app_name", application.get("name", "ddtree"))
-    http_options = raw.get("http_options") or {}
-    grpc_options = raw.get("grpc_options") or {}
-    http = dict(args.get("http") or {})
+    http_options = _mapping(raw.get("http_options") or {}, "http_options")
+    grpc_options = _mapping(raw.get("grpc_options") or {}, "grpc_options")
+    http = dict(_mapping(args.get("http") or {}, "applications[0].args.http"))
     http.update({key: http_options[key] for key in ("host", "port") if key in http_options})
-    grpc = dict(args.get("grpc") or {})
+    grpc = dict(_mapping(args.get("grpc") or {}, "applications[0].args.grpc"))
     grpc.update({key: grpc_options[key] for key in ("port", "enable_reflection") if key in grpc_options})
     if http:
         args["http"] = http
@@ -562,3 +564,10 @@ def serve_file_to_args(raw: dict[str, Any]) -> dict[str, Any]:
     if "proxy_location" in raw:
         args["proxy_location"] = raw["proxy_location"]
     return args
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    """`value` where the file must hold a mapping (`key: value` lines), or a one-line refusal."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping of settings, got {type(value).__name__}")
+    return value

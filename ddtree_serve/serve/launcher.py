@@ -9,8 +9,10 @@ joined with `--ray-address` only this application is deleted.
 
 import argparse
 import logging
+import math
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -27,6 +29,20 @@ from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG, PlacementTransport, Pla
 DASHBOARD_PORT = 8265  # Ray's own default
 AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
 THROUGHPUT_OPTIMIZED_VARIABLE = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
+    return port
+
+
+def _resource_count(text: str) -> float:
+    count = float(text)
+    if not count >= 0.0 or math.isinf(count):
+        raise argparse.ArgumentTypeError(f"a count of logical resources is a finite number >= 0, got {text}")
+    return count
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,8 +172,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ray_group = parser.add_argument_group("ray (local cluster)")
     ray_group.add_argument("--ray-address", help="Join this Ray cluster instead of starting a local one.")
-    ray_group.add_argument("--num-cpus", type=float, help="Logical CPUs (default: all cores).")
-    ray_group.add_argument("--num-gpus", type=float, help="Logical GPUs (default: the GPUs found).")
+    ray_group.add_argument("--num-cpus", type=_resource_count, help="Logical CPUs (default: all cores).")
+    ray_group.add_argument("--num-gpus", type=_resource_count, help="Logical GPUs (default: the GPUs found).")
     ray_group.add_argument("--ray-temp-dir", help="Temp/session directory (default: Ray's, /tmp/ray).")
     ray_group.add_argument(
         "--no-dashboard",
@@ -167,7 +183,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ray_group.add_argument(
         "--dashboard-port",
-        type=int,
+        type=_port,
         default=DASHBOARD_PORT,
         help="Ray dashboard port (default: %(default)s).",
     )
@@ -181,7 +197,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ray_group.add_argument(
         "--metrics-export-port",
-        type=int,
+        type=_port,
         help="Port of Ray's Prometheus metrics endpoint (default: one Ray picks; printed at start-up).",
     )
 
@@ -240,6 +256,42 @@ def local_file_problem(config: ServeConfig) -> str | None:
         except (OSError, ValueError, KeyError, TypeError) as error:
             return f"cost curve {config.engine.cost_curve}: {one_line_error(error)}"
     return None
+
+
+def ports_taken(config: ServeConfig, args: argparse.Namespace) -> str | None:
+    """The ports a local cluster would bind that are in use or shared, named with their flags
+    (None: all free). Ray's own failure to bind one is a traceback of 20-300 lines, after seconds
+    of start-up."""
+    wanted = [("--http-port", config.http.host, config.http.port), ("--grpc-port", "", config.grpc.port)]
+    if args.dashboard:
+        wanted.append(("--dashboard-port", "127.0.0.1", args.dashboard_port))
+    if args.metrics_export_port is not None:
+        wanted.append(("--metrics-export-port", "", args.metrics_export_port))
+    seen: dict[int, str] = {}
+    for flag, host, port in wanted:
+        if port in seen:
+            return f"{flag} {port} is also {seen[port]}: each server needs its own port"
+        seen[port] = flag
+        if not port_is_free(host, port):
+            return f"{flag} {port}: in use on {host or 'this host'} (pick another port or stop what holds it)"
+    return None
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on `host`:`port` now (as servers do, with SO_REUSEADDR, so
+    a port a closed server left in TIME_WAIT counts as free)."""
+    try:
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror:
+        return True  # an address this host cannot resolve: Serve's own error names it
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+            probe.listen(1)
+        except OSError:
+            return False
+    return True
 
 
 def ray_init_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -342,8 +394,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError, ValidationError, ValueError) as error:
         print(f"ddtree-serve serve: error: {one_line_error(error)}", file=sys.stderr)
         return 2
-    if args.ray_address is None and (problem := local_file_problem(config)):
-        # A local cluster reads the same disk: refuse now instead of failing replicas in a loop.
+    if args.ray_address is None and (problem := local_file_problem(config) or ports_taken(config, args)):
+        # A local cluster reads the same disk and binds on this host: refuse now instead of
+        # failing replicas in a loop or Ray's start-up with a page of traceback.
         print(f"ddtree-serve serve: error: {problem}", file=sys.stderr)
         return 2
     stop = threading.Event()

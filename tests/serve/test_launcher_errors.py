@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from ddtree_serve.serve.launcher import (
     config_from_args,
     ray_init_options,
 )
+from ddtree_serve.serve.ports import free_port
 
 
 @pytest.mark.parametrize(
@@ -24,6 +26,12 @@ from ddtree_serve.serve.launcher import (
         ("engine: [\n", [], "while parsing"),
         ("http: {port: 70000}\n", [], "http.port"),
         (None, ["--target", "/nonexistent-model", "--mode", "ar"], "not a model directory"),
+        ("42\n", [], "the config file must be a mapping of settings, got int"),
+        ("- engine: {}\n", [], "the config file must be a mapping of settings, got list"),
+        ("applications: null\n", [], "a list of exactly one application"),
+        ("applications: [5]\n", [], "applications[0] must be a mapping"),
+        ("applications: [{args: [1, 2]}]\n", [], "applications[0].args must be a mapping"),
+        ("applications: [{args: {}}]\nhttp_options: [host, port]\n", [], "http_options must be a mapping"),
     ],
 )
 def test_bad_serve_configuration_exits_2_with_a_message(
@@ -92,6 +100,38 @@ def test_bad_flag_values_print_one_line_and_exit_2(
     assert err.startswith("ddtree-serve serve: error:") and expected in err
     assert err.count("\n") == 1  # one line, not pydantic's multi-line report
     assert "Value error" not in err  # a validator's own message, without pydantic's prefix
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--dashboard-port", "70000"], "a port is 1-65535"),
+        (["--metrics-export-port", "0"], "a port is 1-65535"),
+        (["--num-cpus", "-1"], "finite number >= 0"),
+        (["--num-gpus", "nan"], "finite number >= 0"),
+    ],
+)
+def test_ray_flags_out_of_range_are_refused_by_the_parser(
+    capsys: pytest.CaptureFixture[str], flags: list[str], expected: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *flags])
+    assert exited.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_ports_in_use_or_shared_are_refused_before_ray_starts(
+    tiny_target_dir: Path, tiny_drafter_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    models = ["--target", str(tiny_target_dir), "--drafter", str(tiny_drafter_dir), "--no-dashboard"]
+    grpc_port = str(free_port())
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        taken = str(holder.getsockname()[1])
+        assert main(["serve", *models, "--http-port", taken, "--grpc-port", grpc_port]) == 2
+        assert f"--http-port {taken}: in use on 127.0.0.1" in capsys.readouterr().err
+    assert main(["serve", *models, "--http-port", grpc_port, "--grpc-port", grpc_port]) == 2
+    assert f"--grpc-port {grpc_port} is also --http-port" in capsys.readouterr().err
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
