@@ -114,8 +114,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument(
         "--top-k", type=int, default=0, help="keep the k likeliest, 0 = off (default: %(default)s)"
     )
-    sampling.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    sampling.add_argument(
+        "--seed", type=int, help="seed for reproducible sampling (default: none, a fresh draw each run)"
+    )
+    sampling.add_argument(
+        "--stop", action="append", default=[], help="stop string, repeatable (default: none)"
+    )
     sampling.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-text")
     parser.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
 

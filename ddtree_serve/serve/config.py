@@ -392,11 +392,11 @@ class AutoscalingConfig(_Strict):
 
 class HTTPConfig(_Strict):
     host: str = Field(default="127.0.0.1", description="Address the HTTP proxy binds.")
-    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (OpenAI-compatible API).")
+    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port (OpenAI-compatible API).")
 
 
 class GRPCConfig(_Strict):
-    port: int = Field(default=9000, ge=0, le=65535, description="gRPC port (ddtree_serve.v1.DDTreeServe).")
+    port: int = Field(default=9000, ge=1, le=65535, description="gRPC port (ddtree_serve.v1.DDTreeServe).")
     enable_reflection: bool = Field(default=True, description="Serve gRPC server reflection (grpcurl).")
 
 

@@ -54,7 +54,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     def default(value: object) -> str:
         return f"(default: {value})"
 
-    parser.add_argument("--config", help="ServeConfig YAML or a Serve config file (deployments/*.yaml).")
+    parser.add_argument(
+        "--config",
+        help="ServeConfig YAML or a Serve config file (deployments/*.yaml) (default: none, the built-in "
+        "defaults below).",
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--host", help=f"HTTP bind address {default(defaults.http.host)}.")
     server.add_argument("--http-port", type=int, help=f"HTTP port {default(defaults.http.port)}.")
@@ -171,7 +175,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"OTLP/HTTP traces endpoint {default(defaults.observability.tracing.otlp_endpoint)}.",
     )
     ray_group = parser.add_argument_group("ray (local cluster)")
-    ray_group.add_argument("--ray-address", help="Join this Ray cluster instead of starting a local one.")
+    ray_group.add_argument(
+        "--ray-address",
+        help="Join this Ray cluster instead of starting a local one (default: none, a local cluster).",
+    )
     ray_group.add_argument("--num-cpus", type=_resource_count, help="Logical CPUs (default: all cores).")
     ray_group.add_argument("--num-gpus", type=_resource_count, help="Logical GPUs (default: the GPUs found).")
     ray_group.add_argument("--ray-temp-dir", help="Temp/session directory (default: Ray's, /tmp/ray).")
@@ -399,11 +406,15 @@ def run_serve(args: argparse.Namespace) -> int:
         # failing replicas in a loop or Ray's start-up with a page of traceback.
         print(f"ddtree-serve serve: error: {problem}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    stop, deployed = threading.Event(), threading.Event()
 
     def request_stop(signum: int, _frame: FrameType | None) -> None:
         print(f"\nreceived {signal.Signals(signum).name}; shutting down", flush=True)
         stop.set()
+        if not deployed.is_set():
+            # `serve.run` waits until every replica runs: a model loading for minutes, or a
+            # placement the cluster cannot schedule (waiting for ever), would hold Ctrl-C there.
+            raise KeyboardInterrupt
 
     # Before Ray is imported: its core reads RAY_AUTH_MODE once, at import.
     auth_line = choose_local_auth_mode() if args.ray_address is None else None
@@ -417,9 +428,13 @@ def run_serve(args: argparse.Namespace) -> int:
     # After ray.init: Ray installs its own SIGTERM handler there, which would skip our shutdown.
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        serve.start(**serve_start_options(config))
-        with _without_serve_start_notice():
-            serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
+        try:
+            serve.start(**serve_start_options(config))
+            with _without_serve_start_notice():
+                serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
+        except KeyboardInterrupt:
+            return 130  # stopped while deploying (the shell's code for Ctrl-C); `finally` cleans up
+        deployed.set()
         engine = config.engine
         print(
             f"ddtree-serve: model {config.model_name!r} "

@@ -2,7 +2,9 @@
 
 import argparse
 import os
+import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from ddtree_serve.serve.ports import free_port
         ("engine: {budget: -3}\n", [], "engine.budget"),
         ("engine: [\n", [], "while parsing"),
         ("http: {port: 70000}\n", [], "http.port"),
+        ("grpc: {port: 0}\n", [], "grpc.port: Input should be greater than or equal to 1"),
         (None, ["--target", "/nonexistent-model", "--mode", "ar"], "not a model directory"),
         ("42\n", [], "the config file must be a mapping of settings, got int"),
         ("- engine: {}\n", [], "the config file must be a mapping of settings, got list"),
@@ -72,10 +75,36 @@ def test_joining_a_cluster_deletes_only_this_app_on_exit(monkeypatch: pytest.Mon
     monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
     monkeypatch.setattr(serve, "delete", lambda name, **kwargs: calls.append(f"serve.delete {name}"))
     monkeypatch.setattr(app_module, "build_app", lambda config: None)
-    with pytest.raises(KeyboardInterrupt):
-        main(["serve", "--ray-address", "ray://elsewhere:10001", "--mode", "ar"])
+    assert main(["serve", "--ray-address", "ray://elsewhere:10001", "--mode", "ar"]) == 130
     assert "serve.shutdown" not in calls
     assert any(call.startswith("serve.delete ") for call in calls)
+
+
+def test_ctrl_c_while_the_app_deploys_stops_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve.run` waits for every replica (a long model load, or a placement that never fits);
+    SIGINT there leaves it, cleans up and exits 130 instead of waiting on."""
+    import ray
+    from ray import serve
+
+    from ddtree_serve.serve import app as app_module
+
+    calls: list[str] = []
+
+    def deploy_for_ever(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, while the deployment waits
+        time.sleep(60)
+        calls.append("deploy waited to its end")
+
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(serve, "run", deploy_for_ever)
+    monkeypatch.setattr(serve, "delete", lambda name, **kwargs: calls.append("serve.delete"))
+    monkeypatch.setattr(app_module, "build_app", lambda config: None)
+    started = time.monotonic()
+    assert main(["serve", "--ray-address", "ray://elsewhere:10001", "--mode", "ar"]) == 130
+    assert time.monotonic() - started < 30
+    assert calls == ["serve.delete", "ray.shutdown"]
 
 
 @pytest.mark.parametrize(
