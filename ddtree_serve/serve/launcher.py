@@ -301,6 +301,28 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def deploy_failure(error: BaseException, app_name: str) -> str:
+    """A failed `serve.run` in one line: Serve's own first line (the deployments that failed) and,
+    from `serve.status()`, the last line of each failed deployment's message (the replica's
+    exception, the root cause)."""
+    from ray import serve
+
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    summary = lines[0] if lines else type(error).__name__
+    try:
+        application = serve.status().applications.get(app_name)
+        deployments = application.deployments.items() if application is not None else ()
+    except Exception:  # the controller is gone too: Serve's line is all there is
+        return summary
+    causes = [
+        f"{name}: {message[-1]}"
+        for name, deployment in deployments
+        if str(deployment.status).endswith(("DEPLOY_FAILED", "UNHEALTHY"))
+        and (message := [line.strip() for line in str(deployment.message).splitlines() if line.strip()])
+    ]
+    return "; ".join([summary, *causes])
+
+
 def ray_init_options(args: argparse.Namespace) -> dict[str, Any]:
     """`ray.init` keyword arguments: join `--ray-address`, or a local cluster on 127.0.0.1."""
     if args.ray_address is not None:
@@ -434,6 +456,11 @@ def run_serve(args: argparse.Namespace) -> int:
                 serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
         except KeyboardInterrupt:
             return 130  # stopped while deploying (the shell's code for Ctrl-C); `finally` cleans up
+        except RuntimeError as error:
+            # Serve has logged each failed replica's traceback above; its own error repeats them
+            # inside a page of its frames. One line says what failed, and why, in the end.
+            print(f"ddtree-serve serve: error: {deploy_failure(error, config.app_name)}", file=sys.stderr)
+            return 1
         deployed.set()
         engine = config.engine
         print(

@@ -6,6 +6,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -271,3 +272,44 @@ def test_a_cost_curve_that_does_not_load_is_refused_in_one_line(
     assert main(["serve", "--budget-policy", "adaptive", "--cost-curve", str(broken)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ddtree-serve serve: error: cost curve {broken}:") and err.count("\n") == 1
+
+
+def test_a_deployment_that_fails_is_one_line_naming_its_cause(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Serve's own error names only the deployments; the replica's exception is the cause."""
+    import ray
+    from ray import serve
+
+    from ddtree_serve.serve import app as app_module
+
+    def failed_deploy(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "Deploying application ddtree failed: Failed to update the deployments ['Coordinator']."
+        )
+
+    replica_traceback = (
+        "Traceback (most recent call last):\n  File x, line 1\nSafetensorError: incomplete metadata\n"
+    )
+    status = SimpleNamespace(
+        applications={
+            "ddtree": SimpleNamespace(
+                deployments={
+                    "Ingress": SimpleNamespace(status="DeploymentStatus.HEALTHY", message=""),
+                    "Coordinator": SimpleNamespace(status="DEPLOY_FAILED", message=replica_traceback),
+                }
+            )
+        }
+    )
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(serve, "run", failed_deploy)
+    monkeypatch.setattr(serve, "status", lambda: status)
+    monkeypatch.setattr(serve, "delete", lambda name, **kwargs: None)
+    monkeypatch.setattr(app_module, "build_app", lambda config: None)
+    assert main(["serve", "--ray-address", "ray://elsewhere:10001", "--mode", "ar"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("ddtree-serve serve: error: Deploying application ddtree failed")
+    assert err.rstrip().endswith("; Coordinator: SafetensorError: incomplete metadata")
