@@ -1,6 +1,7 @@
 """`python -m ddtree_serve.training`: train the bundled tokenizer + target + DFlash drafter pair."""
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -30,12 +31,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--smoke", action="store_true", help="shorthand for --preset smoke (tiny, CPU, seconds)"
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument(
-        "--target-budget-s", type=float, default=None, help="wall-clock budget of the target stage"
+        "--target-budget-s",
+        type=_positive,
+        default=None,
+        help="wall-clock budget of the target stage (default: the preset's)",
     )
     parser.add_argument(
-        "--drafter-budget-s", type=float, default=None, help="wall-clock budget of the drafter stage"
+        "--drafter-budget-s",
+        type=_positive,
+        default=None,
+        help="wall-clock budget of the drafter stage (default: the preset's)",
     )
     parser.add_argument(
         "--tokenizer", type=Path, default=None, help="reuse this tokenizer.json instead of training one"
@@ -46,9 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="continue training the drafter in this model directory instead of a fresh one",
     )
-    parser.add_argument("--drafter-lr", type=float, default=None, help="peak learning rate of the drafter")
     parser.add_argument(
-        "--generated-seqs", type=int, default=None, help="target continuations the drafter trains on"
+        "--drafter-lr",
+        type=_positive,
+        default=None,
+        help="peak learning rate of the drafter (default: the preset's)",
+    )
+    parser.add_argument(
+        "--generated-seqs",
+        type=_at_least_one,
+        default=None,
+        help="target continuations the drafter trains on (default: the preset's)",
     )
     parser.add_argument(
         "--target-from",
@@ -56,7 +71,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="reuse the target in this model directory (skip target training; needs its tokenizer)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if problem := _input_problem(args):
+        parser.error(problem)
+    return args
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _input_problem(args: argparse.Namespace) -> str | None:
+    """What would stop a run after minutes of training, found before it starts (None: nothing)."""
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            return f"--device {args.device}: not a torch device (train on cpu or cuda)"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return f"--device {args.device}: CUDA is not available here"
+        if device.type not in ("cpu", "cuda"):
+            return f"--device {args.device}: train on cpu or cuda"
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        return f"--tokenizer {args.tokenizer}: no such file"
+    for flag, directory in (("--target-from", args.target_from), ("--drafter-from", args.drafter_from)):
+        if directory is not None and not (directory / "config.json").is_file():
+            return f"{flag} {directory}: not a model directory (no config.json)"
+    if args.out.exists() and not args.out.is_dir():
+        return f"--out {args.out}: exists and is not a directory"
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
