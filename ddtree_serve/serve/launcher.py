@@ -446,7 +446,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ddtree_serve.serve.app import build_app, serve_start_options
 
-    context = ray.init(**ray_init_options(args))
+    try:
+        context = ray.init(**ray_init_options(args))
+    except KeyboardInterrupt:  # while joining a cluster that does not answer, say
+        return 130
+    except Exception as error:  # a bad address, a temp dir that is a file, resources Ray refuses
+        where = f"join the cluster at {args.ray_address}" if args.ray_address else "start a local Ray cluster"
+        print(f"ddtree-serve serve: error: could not {where}: {one_line_error(error)}", file=sys.stderr)
+        ray.shutdown()  # whatever part of it did start
+        return 1
     # After ray.init: Ray installs its own SIGTERM handler there, which would skip our shutdown.
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -313,3 +313,29 @@ def test_a_deployment_that_fails_is_one_line_naming_its_cause(
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("ddtree-serve serve: error: Deploying application ddtree failed")
     assert err.rstrip().endswith("; Coordinator: SafetensorError: incomplete metadata")
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "expected"),
+    [
+        (RuntimeError("Module: bogus does not exist."), 1, "could not join the cluster at bogus://x: Module"),
+        (KeyboardInterrupt(), 130, ""),
+    ],
+)
+def test_a_cluster_that_cannot_be_joined_is_one_line_and_ctrl_c_there_exits_130(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    raised: BaseException,
+    code: int,
+    expected: str,
+) -> None:
+    import ray
+
+    def init(**kwargs: object) -> None:
+        raise raised
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    assert main(["serve", "--ray-address", "bogus://x", "--mode", "ar"]) == code
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err and err.count("\n") <= 1
