@@ -97,6 +97,13 @@ class EngineConfig(BaseModel):
     default_top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="top_p when unset.")
     default_top_k: int = Field(default=0, ge=0, description="top_k when unset; 0 = off.")
 
+    @field_validator("target", "drafter", "cost_curve")
+    @classmethod
+    def _check_path(cls, path: str | None) -> str | None:
+        if path is not None and not path.strip():
+            raise ValueError("an empty path (it names the working directory): give a path or leave it unset")
+        return path
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, device: str) -> str:

@@ -29,6 +29,9 @@ def test_engine_config_defaults_and_frozen_settings():
         ({"drafter": "/d"}, "needs its own target"),
         ({"target": "/t"}, "needs `drafter`"),
         ({"unknown": 1}, "unknown"),
+        ({"target": "", "mode": "ar"}, "an empty path"),
+        ({"target": "/t", "drafter": "  "}, "an empty path"),
+        ({"cost_curve": ""}, "an empty path"),
     ],
 )
 def test_engine_config_rejects_bad_values(overrides, message):
@@ -52,6 +55,8 @@ def test_custom_target_alone_is_fine_for_plain_decoding():
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"draft_budget": 0}, "draft_budget"),
+        ({"seed": -1}, "seed must be in"),
+        ({"seed": 2**64}, "seed must be in"),
     ],
 )
 def test_sampling_params_reject_bad_values(overrides, message):
