@@ -19,6 +19,11 @@ _DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def model_dir_problem(path: str | Path) -> str | None:
+    """Why `path` is not a model directory on this disk (None: it has a config.json)."""
+    return None if (Path(path) / "config.json").is_file() else "not a model directory (no config.json)"
+
+
 class EngineConfig(BaseModel):
     """Everything needed to build one in-process speculative decoding engine."""
 
@@ -129,8 +134,8 @@ class EngineConfig(BaseModel):
         """
         for field in ("target", "drafter"):
             path = getattr(self, field)
-            if path is not None and not (Path(path) / "config.json").is_file():
-                return f"{field} {path}: not a model directory (no config.json)"
+            if path is not None and (problem := model_dir_problem(path)):
+                return f"{field} {path}: {problem}"
         return None
 
     @property

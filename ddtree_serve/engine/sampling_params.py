@@ -4,6 +4,9 @@ from dataclasses import dataclass
 
 from ddtree_serve.verify.probs import GREEDY_TEMPERATURE_EPS
 
+MAX_SEED = 2**64
+"""Seeds are below this (a torch generator's range); the HTTP body's check reads it too."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,7 +43,7 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:  # a torch generator's range
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.draft_budget is not None and self.draft_budget < 1:
             raise ValueError(f"draft_budget must be >= 1, got {self.draft_budget}")

@@ -23,7 +23,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import ValidationError
 
-from ddtree_serve.cli import one_line_error
+from ddtree_serve.cli import cost_curve_problem, one_line_error
 from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG, PlacementTransport, PlacementWorkers, ServeConfig
 
 DASHBOARD_PORT = 8265  # Ray's own default
@@ -255,13 +255,8 @@ def local_file_problem(config: ServeConfig) -> str | None:
     a model directory without config.json, or a cost curve that does not load."""
     if problem := config.engine.missing_model_dir():
         return problem
-    if config.engine.cost_curve is not None:
-        from ddtree_serve.engine.budget import load_cost_curve
-
-        try:
-            load_cost_curve(config.engine.cost_curve)
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            return f"cost curve {config.engine.cost_curve}: {one_line_error(error)}"
+    if config.engine.cost_curve is not None and (problem := cost_curve_problem(config.engine.cost_curve)):
+        return f"cost curve {config.engine.cost_curve}: {problem}"
     return None
 
 

@@ -27,12 +27,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ddtree_serve.engine.sampling_params import SamplingParams
+from ddtree_serve.engine.sampling_params import MAX_SEED, SamplingParams
 from ddtree_serve.serve.chat import TEXT_PART, ChatTurn, ContentPart
 from ddtree_serve.serve.errors import RequestError, invalid
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range; also keeps 1/temperature a normal float32
-MAX_SEED = 2**64  # exclusive: a torch generator's seed range
 
 
 def _valid_unicode(text: str) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ddtree_serve.config import model_dir_problem
 from ddtree_serve.training.pipeline import train_pair
 from ddtree_serve.training.recipe import PRESETS
 
@@ -105,8 +106,8 @@ def _input_problem(args: argparse.Namespace) -> str | None:
     if args.tokenizer is not None and not args.tokenizer.is_file():
         return f"--tokenizer {args.tokenizer}: no such file"
     for flag, directory in (("--target-from", args.target_from), ("--drafter-from", args.drafter_from)):
-        if directory is not None and not (directory / "config.json").is_file():
-            return f"{flag} {directory}: not a model directory (no config.json)"
+        if directory is not None and (problem := model_dir_problem(directory)):
+            return f"{flag} {directory}: {problem}"
     if args.out.exists() and not args.out.is_dir():
         return f"--out {args.out}: exists and is not a directory"
     return None
