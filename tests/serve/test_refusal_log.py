@@ -2,6 +2,7 @@
 traceback (the record Serve's replica logs with `logger.exception`)."""
 
 import logging
+import sys
 
 import pytest
 
@@ -11,24 +12,12 @@ from ddtree_serve.serve.refusal_log import RefusalLogFilter, install_refusal_log
 
 def failed_request_record(error: Exception) -> logging.LogRecord:
     """The record `logger.exception("Request failed.")` makes while `error` is being handled."""
-    logger = logging.getLogger("test-refusal-log")
     try:
         raise error
     except Exception:
-        records: list[logging.LogRecord] = []
-
-        class Keep(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                records.append(record)
-
-        handler = Keep()
-        logger.addHandler(handler)
-        logger.propagate = False
-        try:
-            logger.exception("Request failed.")
-        finally:
-            logger.removeHandler(handler)
-    return records[0]
+        name = "test-refusal-log"
+        logger = logging.getLogger(name)
+        return logger.makeRecord(name, logging.ERROR, __file__, 0, "Request failed.", (), sys.exc_info())
 
 
 @pytest.mark.parametrize(
