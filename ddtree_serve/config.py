@@ -73,7 +73,11 @@ class EngineConfig(BaseModel):
         "nodes); a single prompt longer than this still runs alone.",
     )
     max_seq_len: int = Field(
-        default=2048, ge=16, description="Positions per slot: prompt + generated tokens + one tree."
+        default=2048,
+        ge=16,
+        description="Positions per slot: prompt + generated tokens + one tree. Left at the default, "
+        "capped at the target's context length (max_position_embeddings, stretched by a RoPE "
+        "scaling factor); a longer value set explicitly is refused, as vLLM's max_model_len.",
     )
     max_queue_len: int = Field(
         default=1024, ge=0, description="Requests waiting for a slot at most; more are refused."

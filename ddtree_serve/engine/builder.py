@@ -6,6 +6,7 @@ drafter, which verify backend runs, and how the step timer reads the device. `bu
 build through it, so each model loads one way.
 """
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,11 @@ from ddtree_serve.models import (
     bundled_drafter_dir,
     bundled_target_dir,
 )
+from ddtree_serve.models.context_length import target_context_length
 from ddtree_serve.models.parallel import RankSpec, TensorParallel, join_group
 from ddtree_serve.verify import backend_available
+
+log = logging.getLogger(__name__)
 
 
 def target_dir(config: EngineConfig) -> Path:
@@ -42,6 +46,23 @@ def target_layer_ids(config: EngineConfig) -> tuple[int, ...] | None:
     return DFlashConfig.from_json_file(drafter_dir(config) / "config.json").target_layer_ids
 
 
+def fitted_max_seq_len(config: EngineConfig) -> int:
+    """The positions a slot holds: `max_seq_len`, capped at the target's context length when the
+    config leaves it at its default; an explicit longer one is refused (vLLM's `max_model_len`).
+
+    Raises ValueError naming both lengths, before any weight loads.
+    """
+    limit = target_context_length(target_dir(config))
+    if config.max_seq_len <= limit:
+        return config.max_seq_len
+    if "max_seq_len" in config.model_fields_set:
+        raise ValueError(
+            f"max_seq_len {config.max_seq_len} is longer than the target's context length {limit} "
+            f"({target_dir(config) / 'config.json'}): set max_seq_len to {limit} or less"
+        )
+    return limit
+
+
 def resolve_verify_backend(name: str, device: str) -> str:
     """'auto' -> triton on CUDA when it imports, else torch; explicit names are checked."""
     if name == "auto":
@@ -60,10 +81,17 @@ def build_target_step(
     config: EngineConfig, timer: StageTimer | None = None, tensor_parallel: TensorParallel | None = None
 ) -> TargetStep:
     """`tensor_parallel`: this process is one rank of a target group and loads only its shard."""
+    max_seq_len = fitted_max_seq_len(config)
+    if max_seq_len < config.max_seq_len:
+        log.info(
+            "max_seq_len %d capped to the target's context length %d (set max_seq_len to choose less)",
+            config.max_seq_len,
+            max_seq_len,
+        )
     runner = TargetRunner.from_pretrained(
         target_dir(config),
         num_slots=config.max_num_seqs,
-        max_seq_len=config.max_seq_len,
+        max_seq_len=max_seq_len,
         device=config.device,
         dtype=config.torch_dtype,
         enforce_eager=config.enforce_eager,
@@ -79,7 +107,7 @@ def build_draft_step(config: EngineConfig, timer: StageTimer | None = None) -> D
         drafter_dir(config),
         target_dir(config),
         num_slots=config.max_num_seqs,
-        max_seq_len=config.max_seq_len,
+        max_seq_len=fitted_max_seq_len(config),
         device=config.device,
         dtype=config.torch_dtype,
         enforce_eager=config.enforce_eager,

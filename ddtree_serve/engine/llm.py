@@ -30,10 +30,13 @@ class LLM:
         device: str = "cpu",
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         max_num_seqs: int = 8,
-        max_seq_len: int = 2048,
+        max_seq_len: int | None = None,
         enforce_eager: bool = False,
     ) -> None:
-        """`enforce_eager`: no CUDA graphs (see `EngineConfig`)."""
+        """`max_seq_len`: None = `EngineConfig`'s default, capped at the target's context length
+        (a number is taken as asked, and refused past that length). `enforce_eager`: no CUDA
+        graphs (see `EngineConfig`)."""
+        lengths = {} if max_seq_len is None else {"max_seq_len": max_seq_len}
         config = EngineConfig(
             target=target,
             drafter=drafter,
@@ -42,8 +45,8 @@ class LLM:
             device=device,
             dtype=dtype,
             max_num_seqs=max_num_seqs,
-            max_seq_len=max_seq_len,
             enforce_eager=enforce_eager,
+            **lengths,
         )
         self._init_from(config, build_local_engine(config))
 

@@ -153,7 +153,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len",
         dest="max_seq_len",
         type=int,
-        help=f"Positions per request: prompt + completion + one draft tree {default(engine.max_seq_len)}.",
+        help="Positions per request: prompt + completion + one draft tree; at most the target's "
+        f"context length {default(engine.max_seq_len)}, capped there when not given.",
     )
     limits.add_argument(
         "--max-num-batched-tokens",

@@ -1,0 +1,36 @@
+"""The builder fits a slot's length to the target's context length before any weight loads."""
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from ddtree_serve.config import EngineConfig
+from ddtree_serve.engine.builder import fitted_max_seq_len
+from ddtree_serve.engine.llm import LLM
+from ddtree_serve.models.context_length import target_context_length
+
+
+def test_default_length_is_capped_at_the_targets(
+    tiny_target_dir: Path, tiny_drafter_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    limit = target_context_length(tiny_target_dir)
+    assert EngineConfig().max_seq_len > limit  # the tiny target's window is shorter than the default
+    with caplog.at_level(logging.INFO, logger="ddtree_serve.engine.builder"):
+        llm = LLM(str(tiny_target_dir), str(tiny_drafter_dir))
+    assert llm.engine.max_seq_len == limit
+    assert f"capped to the target's context length {limit}" in caplog.text
+    # the drafter's cache holds the same positions as the target's
+    assert llm.engine.drafter.drafter.cache.max_seq_len == limit
+
+
+def test_explicit_length_is_taken_up_to_the_targets(tiny_target_dir: Path, tiny_drafter_dir: Path) -> None:
+    limit = target_context_length(tiny_target_dir)
+    fits = EngineConfig(target=str(tiny_target_dir), drafter=str(tiny_drafter_dir), max_seq_len=limit // 2)
+    assert fitted_max_seq_len(fits) == limit // 2
+    too_long = EngineConfig(target=str(tiny_target_dir), drafter=str(tiny_drafter_dir), max_seq_len=limit + 1)
+    refusal = rf"max_seq_len {limit + 1} is longer than the target's context length {limit}"
+    with pytest.raises(ValueError, match=refusal):
+        fitted_max_seq_len(too_long)
+    with pytest.raises(ValueError, match="set max_seq_len to"):
+        LLM(str(tiny_target_dir), str(tiny_drafter_dir), max_seq_len=limit + 1)
