@@ -24,6 +24,8 @@ import yaml
 from pydantic import ValidationError
 
 from ddtree_serve.cli import cost_curve_problem, one_line_error
+from ddtree_serve.engine.builder import fitted_max_seq_len, target_dir
+from ddtree_serve.models.context_length import target_context_length
 from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG, PlacementTransport, PlacementWorkers, ServeConfig
 
 DASHBOARD_PORT = 8265  # Ray's own default
@@ -213,7 +215,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The config file (or defaults) with every flag that was given applied on top."""
     base = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
-    raw: dict[str, Any] = base.model_dump(exclude_unset=False)
+    # Only what the file set: a field left at its default stays unset, so the engine can tell
+    # a default max_seq_len (capped at the target's context length) from an asked-for one.
+    raw: dict[str, Any] = base.model_dump(exclude_unset=True)
     overrides = {
         ("model_name",): args.model_name,
         ("stream_batching_interval_ms",): args.stream_batching_interval_ms,
@@ -246,16 +250,26 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             continue
         section = raw
         for key in path[:-1]:
-            section = section[key]
+            section = section.setdefault(key, {})
         section[path[-1]] = value
     return ServeConfig.model_validate(raw)
 
 
 def local_file_problem(config: ServeConfig) -> str | None:
     """What a local cluster would fail on when its groups load files from this disk, if any:
-    a model directory without config.json, or a cost curve that does not load."""
+    a model directory without config.json, a `max_seq_len` past the target's context length or
+    a config it cannot read there, or a cost curve that does not load."""
     if problem := config.engine.missing_model_dir():
         return problem
+    target = target_dir(config.engine)
+    try:
+        target_context_length(target)
+    except (ValueError, KeyError, TypeError) as error:  # not JSON, an unknown family, a missing field
+        return f"target {target / 'config.json'}: {type(error).__name__}: {one_line_error(error)}"
+    try:
+        fitted_max_seq_len(config.engine)
+    except ValueError as error:
+        return str(error)
     if config.engine.cost_curve is not None and (problem := cost_curve_problem(config.engine.cost_curve)):
         return f"cost curve {config.engine.cost_curve}: {problem}"
     return None

@@ -30,6 +30,7 @@ from ddtree_serve.serve.ports import free_port
         ("http: {port: 70000}\n", [], "http.port"),
         ("grpc: {port: 0}\n", [], "grpc.port: Input should be greater than or equal to 1"),
         (None, ["--target", "/nonexistent-model", "--mode", "ar"], "not a model directory"),
+        (None, ["--max-model-len", "4096"], "max_seq_len 4096 is longer than the target's context length"),
         ("42\n", [], "the config file must be a mapping of settings, got int"),
         ("- engine: {}\n", [], "the config file must be a mapping of settings, got list"),
         ("applications: null\n", [], "a list of exactly one application"),
@@ -55,6 +56,26 @@ def test_bad_serve_configuration_exits_2_with_a_message(
     err = capsys.readouterr().err
     assert err.startswith("ddtree-serve serve: error:")
     assert expected in err
+
+
+@pytest.mark.parametrize(
+    ("config_text", "expected"),
+    [
+        ("{not json", "JSONDecodeError"),
+        ('{"model_type": "mamba"}', "unsupported model_type 'mamba'"),
+        ('{"model_type": "llama"}', "KeyError: 'vocab_size'"),
+    ],
+)
+def test_a_target_config_that_does_not_parse_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config_text: str, expected: str
+) -> None:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(config_text)
+    assert main(["serve", "--target", str(target), "--mode", "ar"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ddtree-serve serve: error: target {target / 'config.json'}:")
+    assert expected in err and err.count("\n") == 1
 
 
 def test_joining_a_cluster_deletes_only_this_app_on_exit(monkeypatch: pytest.MonkeyPatch) -> None:
