@@ -85,6 +85,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--enforce-eager", action="store_true", help="run every forward eagerly (no CUDA graphs)"
     )
+    model.add_argument(
+        "--max-seq-len",
+        "--max-model-len",
+        dest="max_seq_len",
+        type=int,
+        help="positions for prompt + completion + one draft tree, at most the target's context "
+        f"length (default: {defaults.max_seq_len}, capped at that length)",
+    )
     spec = parser.add_argument_group("speculation")
     spec.add_argument(
         "--mode",
@@ -164,6 +172,7 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             cost_curve=args.cost_curve,
             max_num_seqs=1,
             enforce_eager=args.enforce_eager,
+            **({} if args.max_seq_len is None else {"max_seq_len": args.max_seq_len}),
         )
         params = SamplingParams(
             max_tokens=args.max_tokens,

@@ -128,6 +128,11 @@ class EngineConfig(BaseModel):
             raise ValueError(f"budget_policy 'adaptive' needs mode 'ddtree', got mode {self.mode!r}")
         if self.target is not None and self.drafter is None and self.mode != "ar":
             raise ValueError(f"mode {self.mode!r} with a custom target needs `drafter` (or use mode 'ar')")
+        if self.mode == "ddtree" and self.max_seq_len <= self.budget + 1:
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} leaves no room for a prompt beside one step's tree "
+                f"(budget + 1 = {self.budget + 1} positions): raise max_seq_len or lower budget"
+            )
         return self
 
     def missing_model_dir(self) -> str | None:

@@ -74,6 +74,8 @@ def test_streamed_text_equals_json_text_and_stdin_prompt_works(model_args, capsy
         (["generate", "caf\udce9"], "the prompt is not UTF-8 text"),
         (["generate", "--target", "/no/such/dir", "--mode", "ar", "x"], "not a model directory"),
         (["generate", "--drafter", "/d", "x"], "needs its own target"),
+        (["generate", "--max-model-len", "4096", "x"], "max_seq_len 4096 is longer than the target's"),
+        (["generate", "--max-seq-len", "16", "x"], "max_seq_len 16 leaves no room for a prompt"),
         (["nonsense"], "invalid choice"),
     ],
 )  # fmt: skip

@@ -122,6 +122,12 @@ class SpecEngine:
         self.max_seq_len = min(settings.max_seq_len, target.max_seq_len)
         # Longest prompt that leaves room for one step's tree: the one limit servers enforce too.
         self.max_prompt_tokens = self.max_seq_len - self.max_tree_tokens
+        if self.max_prompt_tokens < 1:
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} leaves no room for a prompt beside one step's tree "
+                f"of {self.max_tree_tokens} positions (mode {settings.mode!r}): raise max_seq_len"
+                + (" or lower budget" if settings.mode == "ddtree" else "")
+            )
         self.scheduler = Scheduler(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -228,7 +234,8 @@ class SpecEngine:
         if len(prompt_ids) > self.max_prompt_tokens:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
-                f"max_seq_len={self.max_seq_len}"
+                f"max_seq_len={self.max_seq_len} (one step's tree takes {self.max_tree_tokens} of "
+                f"its positions: at most {self.max_prompt_tokens} prompt tokens fit)"
             )
         # max_tokens capped so every padded tree still fits in the slot: before a step the slot
         # caches prompt + output - 1 tokens and the verify pass writes up to `max_tree_tokens`

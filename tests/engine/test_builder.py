@@ -34,3 +34,10 @@ def test_explicit_length_is_taken_up_to_the_targets(tiny_target_dir: Path, tiny_
         fitted_max_seq_len(too_long)
     with pytest.raises(ValueError, match="set max_seq_len to"):
         LLM(str(tiny_target_dir), str(tiny_drafter_dir), max_seq_len=limit + 1)
+
+
+def test_a_slot_too_short_for_one_drafted_block_is_refused() -> None:
+    """Mode 'chain' drafts a whole block, known only once the drafter loads (16 for the bundled)."""
+    with pytest.raises(ValueError, match=r"beside one step's tree of 16 positions \(mode 'chain'\)"):
+        LLM(mode="chain", max_seq_len=16)
+    assert LLM(mode="chain", max_seq_len=17).engine.max_prompt_tokens == 1

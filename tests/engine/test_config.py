@@ -32,6 +32,8 @@ def test_engine_config_defaults_and_frozen_settings():
         ({"target": "", "mode": "ar"}, "an empty path"),
         ({"target": "/t", "drafter": "  "}, "an empty path"),
         ({"cost_curve": ""}, "an empty path"),
+        ({"max_seq_len": 33}, r"no room for a prompt beside one step's tree \(budget \+ 1 = 33"),
+        ({"max_seq_len": 64, "budget": 64}, "raise max_seq_len or lower budget"),
     ],
 )
 def test_engine_config_rejects_bad_values(overrides, message):
