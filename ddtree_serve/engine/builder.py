@@ -48,9 +48,11 @@ def target_layer_ids(config: EngineConfig) -> tuple[int, ...] | None:
 
 def fitted_max_seq_len(config: EngineConfig) -> int:
     """The positions a slot holds: `max_seq_len`, capped at the target's context length when the
-    config leaves it at its default; an explicit longer one is refused (vLLM's `max_model_len`).
+    config leaves it at its default; an explicit longer one is refused (vLLM's `max_model_len`),
+    and so is a cap that leaves a ddtree slot no room beside its tree (`EngineConfig` checks an
+    uncapped length).
 
-    Raises ValueError naming both lengths, before any weight loads.
+    Raises ValueError naming the lengths, before any weight loads.
     """
     limit = target_context_length(target_dir(config))
     if config.max_seq_len <= limit:
@@ -59,6 +61,11 @@ def fitted_max_seq_len(config: EngineConfig) -> int:
         raise ValueError(
             f"max_seq_len {config.max_seq_len} is longer than the target's context length {limit} "
             f"({target_dir(config) / 'config.json'}): set max_seq_len to {limit} or less"
+        )
+    if config.mode == "ddtree" and limit <= config.budget + 1:
+        raise ValueError(
+            f"the target's context length {limit} leaves no room for a prompt beside one step's "
+            f"tree (budget + 1 = {config.budget + 1} positions): lower budget"
         )
     return limit
 

@@ -24,10 +24,11 @@ def context_length(max_position_embeddings: int, rope_scaling: Mapping[str, Any]
     factor = scaling.get("factor")
     if factor is None or rope_type in _FACTOR_ALREADY_APPLIED:
         return max_position_embeddings
-    window = max_position_embeddings
-    if rope_type == "yarn":
-        window = int(scaling.get("original_max_position_embeddings", max_position_embeddings))
-    return int(window * float(factor))
+    if rope_type != "yarn":
+        return int(max_position_embeddings * float(factor))
+    original = scaling.get("original_max_position_embeddings")
+    # YaRN without its pre-scaling window: the stated length is all that is known
+    return max_position_embeddings if original is None else int(int(original) * float(factor))
 
 
 def target_context_length(path: str | Path) -> int:

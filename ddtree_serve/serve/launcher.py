@@ -262,9 +262,9 @@ def local_file_problem(config: ServeConfig) -> str | None:
     if problem := config.engine.missing_model_dir():
         return problem
     target = target_dir(config.engine)
-    try:
+    try:  # not JSON, not a mapping, an unknown family, a missing field, an unreadable file:
         target_context_length(target)
-    except (ValueError, KeyError, TypeError) as error:  # not JSON, an unknown family, a missing field
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as error:
         return f"target {target / 'config.json'}: {type(error).__name__}: {one_line_error(error)}"
     try:
         fitted_max_seq_len(config.engine)

@@ -36,6 +36,19 @@ def test_explicit_length_is_taken_up_to_the_targets(tiny_target_dir: Path, tiny_
         LLM(str(tiny_target_dir), str(tiny_drafter_dir), max_seq_len=limit + 1)
 
 
+def test_a_cap_that_leaves_no_room_beside_the_tree_is_refused(
+    tiny_target_dir: Path, tiny_drafter_dir: Path
+) -> None:
+    """`EngineConfig` checks the default 2048 against the budget; the cap is checked here."""
+    limit = target_context_length(tiny_target_dir)
+    config = EngineConfig(target=str(tiny_target_dir), drafter=str(tiny_drafter_dir), budget=limit)
+    with pytest.raises(
+        ValueError, match=rf"context length {limit} leaves no room .*\(budget \+ 1 = {limit + 1}"
+    ):
+        fitted_max_seq_len(config)
+    assert fitted_max_seq_len(config.model_copy(update={"budget": limit - 2})) == limit
+
+
 def test_a_slot_too_short_for_one_drafted_block_is_refused() -> None:
     """Mode 'chain' drafts a whole block, known only once the drafter loads (16 for the bundled)."""
     with pytest.raises(ValueError, match=r"beside one step's tree of 16 positions \(mode 'chain'\)"):

@@ -20,6 +20,8 @@ from tests.models.kimi_dirs import KIMI_QUANTIZATION_CONFIG, KIMI_TEXT_CONFIG, K
         # Qwen3's long-context recipe: YaRN x4 over 32,768, with the config's 40,960 left as shipped
         (40960, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),
         (2048, {"rope_type": "linear", "factor": 2.0}, 4096),
+        # YaRN that does not say its pre-scaling window: only the stated length is known
+        (8192, {"rope_type": "yarn", "factor": 4.0}, 8192),
         # Llama 3's scaling states the extended window itself
         (131072, {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}, 131072),
     ],

@@ -64,6 +64,7 @@ def test_bad_serve_configuration_exits_2_with_a_message(
         ("{not json", "JSONDecodeError"),
         ('{"model_type": "mamba"}', "unsupported model_type 'mamba'"),
         ('{"model_type": "llama"}', "KeyError: 'vocab_size'"),
+        ("[]", "AttributeError"),
     ],
 )
 def test_a_target_config_that_does_not_parse_is_refused_in_one_line(
