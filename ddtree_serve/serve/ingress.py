@@ -94,12 +94,18 @@ class Ingress(GrpcAdapter):
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": self._config.model_name, "object": "model", "created": 0, "owned_by": "ddtree-serve"}
-            ],
-        }
+        """The served model's card, with vLLM's `max_model_len` (the engine's slot length, capped
+        at the target's context length) while its group answers; a group still starting or
+        restarting is listed without it rather than failing the listing."""
+        card: dict[str, Any] = {"id": self._config.model_name, "object": "model", "created": 0}
+        card["owned_by"] = "ddtree-serve"
+        try:
+            info = await asyncio.wait_for(self._coordinator.model_info.remote(), HEALTH_TIMEOUT_S)
+        except Exception as error:  # the listing is not the group's health check
+            logger.info("model listing without max_model_len: %s", type(error).__name__)
+        else:
+            card["max_model_len"] = info["max_model_len"]
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(self, raw: Request) -> Any:

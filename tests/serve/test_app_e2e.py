@@ -148,6 +148,7 @@ def test_chat_streaming_and_not_streaming_equal_the_engine_on_the_chatml_prompt(
 def test_models_and_health(cluster: ServeCluster) -> None:
     models = httpx.get(f"{cluster.http_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["max_model_len"] == 1024  # the cluster's engine.max_seq_len
     health = stats(cluster)
     assert health["status"] == "ok" and health["max_num_seqs"] == 4
 
