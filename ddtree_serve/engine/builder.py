@@ -143,6 +143,7 @@ class TargetRankFactory:
     rank: RankSpec
 
     def __call__(self) -> TargetStep:
+        fitted_max_seq_len(self.config)  # a refused length fails each rank before the rendezvous
         return build_target_step(self.config, tensor_parallel=join_group(self.rank, self.config.device))
 
 

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 
 from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.builder import fitted_max_seq_len
+from ddtree_serve.engine import builder
+from ddtree_serve.engine.builder import TargetRankFactory, fitted_max_seq_len
 from ddtree_serve.engine.llm import LLM
 from ddtree_serve.models.context_length import target_context_length
+from ddtree_serve.models.parallel import RankSpec
 
 
 def test_default_length_is_capped_at_the_targets(
@@ -54,3 +56,19 @@ def test_a_slot_too_short_for_one_drafted_block_is_refused() -> None:
     with pytest.raises(ValueError, match=r"beside one step's tree of 16 positions \(mode 'chain'\)"):
         LLM(mode="chain", max_seq_len=16)
     assert LLM(mode="chain", max_seq_len=17).engine.max_prompt_tokens == 1
+
+
+def test_a_tensor_parallel_rank_refuses_the_length_before_joining_its_group(
+    tiny_target_dir: Path, tiny_drafter_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused length needs no group: each rank refuses before the rendezvous, which blocks
+    until every rank of the group has joined."""
+
+    def join_group(*_args: object) -> None:
+        raise AssertionError("joined the group")
+
+    monkeypatch.setattr(builder, "join_group", join_group)
+    limit = target_context_length(tiny_target_dir)
+    config = EngineConfig(target=str(tiny_target_dir), drafter=str(tiny_drafter_dir), max_seq_len=limit + 1)
+    with pytest.raises(ValueError, match="longer than the target's context length"):
+        TargetRankFactory(config, RankSpec(0, 2, "tcp://127.0.0.1:1"))()
