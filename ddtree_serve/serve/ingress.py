@@ -97,8 +97,12 @@ class Ingress(GrpcAdapter):
         """The served model's card, with vLLM's `max_model_len` (the engine's slot length, capped
         at the target's context length) while its group answers; a group still starting or
         restarting is listed without it rather than failing the listing."""
-        card: dict[str, Any] = {"id": self._config.model_name, "object": "model", "created": 0}
-        card["owned_by"] = "ddtree-serve"
+        card: dict[str, Any] = {
+            "id": self._config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ddtree-serve",
+        }
         try:
             info = await asyncio.wait_for(self._coordinator.model_info.remote(), HEALTH_TIMEOUT_S)
         except Exception as error:  # the listing is not the group's health check
