@@ -11,6 +11,7 @@ and macOS's (49152-65535), and clear of every port Ray or Serve binds by default
 
 import random
 import socket
+from contextlib import ExitStack
 from pathlib import Path
 
 _FIRST, _LAST = 20000, 32767
@@ -21,16 +22,29 @@ _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 def free_port(host: str = "127.0.0.1") -> int:
     """A port in 20000-32767, below the kernel's ephemeral range, that `host` can bind now
     (chosen at random, so callers racing each other rarely meet)."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports as `free_port` draws them: each probe stays bound until all are
+    drawn, so one server's HTTP, gRPC and metrics ports can never be drawn as the same port."""
     last = min(_LAST, _ephemeral_start() - 1)
     candidates = range(_FIRST, last + 1)
-    for port in random.sample(candidates, min(_ATTEMPTS, len(candidates))):
-        with socket.socket() as probe:
+    with ExitStack() as probes:
+        drawn: list[int] = []
+        for port in random.sample(candidates, min(_ATTEMPTS, len(candidates))):
+            probe = probes.enter_context(socket.socket())
             try:
                 probe.bind((host, port))
             except OSError:
                 continue
-            return port
-    raise OSError(f"no free TCP port on {host or 'any address'} in {_FIRST}-{last}")
+            drawn.append(port)
+            if len(drawn) == count:
+                return drawn
+    raise OSError(
+        f"no free TCP port on {host or 'any address'} in {_FIRST}-{last} "
+        f"({len(drawn)} of the {count} asked for)"
+    )
 
 
 def _ephemeral_start() -> int:

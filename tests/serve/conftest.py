@@ -19,12 +19,13 @@ from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
-from ddtree_serve.serve.ports import free_port
+from ddtree_serve.serve.ports import free_ports
 from tests.conftest import TinyModelDirs
 
 
 def tiny_serve_config(dirs: TinyModelDirs, **sections: Any) -> dict[str, Any]:
     """ServeConfig fields for the tiny random pair, small limits, free ports; `sections` merge in."""
+    http_port, grpc_port = free_ports(2)
     raw: dict[str, Any] = {
         "model_name": "tiny",
         "engine": {
@@ -35,8 +36,8 @@ def tiny_serve_config(dirs: TinyModelDirs, **sections: Any) -> dict[str, Any]:
             "max_queue_len": 8,
             "budget": 16,
         },
-        "http": {"port": free_port()},
-        "grpc": {"port": free_port()},
+        "http": {"port": http_port},
+        "grpc": {"port": grpc_port},
     }
     for name, section in sections.items():
         raw[name] = {**raw.get(name, {}), **section} if isinstance(section, dict) else section
@@ -47,6 +48,9 @@ def on_the_bundled_pair(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` with its engine on the bundled pair (a trained drafter, so tau > 1 is visible)."""
     engine = {k: v for k, v in raw["engine"].items() if k not in ("target", "drafter")}
     return {**raw, "engine": engine}
+
+
+PROXY_PORT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -86,11 +90,10 @@ def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterat
     import ray
     from ray import serve
 
-    from ddtree_serve.serve.app import build_app, serve_start_options
-    from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG, ServeConfig
+    from ddtree_serve.serve.app import build_app
+    from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG
 
-    config = ServeConfig.model_validate(raw_config)
-    metrics_port = free_port()
+    (metrics_port,) = free_ports(1)
     temp_dir = Path(tempfile.mkdtemp(prefix="ddtree-ray-"))
     ray.init(
         num_cpus=2,
@@ -101,7 +104,7 @@ def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterat
         _system_config={"metrics_report_interval_ms": 1000, **RAY_SYSTEM_CONFIG},
     )
     try:
-        serve.start(**serve_start_options(config))
+        config = start_serve_proxies(raw_config)
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
         http_url = f"http://127.0.0.1:{config.http.port}"
         _wait_until_healthy(http_url)
@@ -116,6 +119,40 @@ def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterat
         serve.shutdown()
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def start_serve_proxies(raw_config: dict[str, Any]) -> Any:
+    """`serve.start` on `raw_config`'s ports, or on ports drawn again where a proxy could not bind
+    one; the ServeConfig it started with.
+
+    A drawn port is only probed, never held (Serve's proxy binds it itself), so another process
+    on the host can take it in the seconds Ray takes to start: CI failed once so, on the HTTP
+    port. That is the test harness's race, not the app's (the launcher serves the ports it is
+    given and checks them before starting Ray), so the harness draws again rather than fail."""
+    from ray import serve
+    from ray.exceptions import RayTaskError
+
+    from ddtree_serve.serve.app import serve_start_options
+    from ddtree_serve.serve.config import ServeConfig
+
+    config = ServeConfig.model_validate(raw_config)
+    for _ in range(PROXY_PORT_ATTEMPTS - 1):
+        try:
+            serve.start(**serve_start_options(config))
+            return config
+        except RayTaskError as error:
+            if "Failed to bind" not in str(error):
+                raise
+            serve.shutdown()
+        http_port, grpc_port = free_ports(2)
+        config = config.model_copy(
+            update={
+                "http": config.http.model_copy(update={"port": http_port}),
+                "grpc": config.grpc.model_copy(update={"port": grpc_port}),
+            }
+        )
+    serve.start(**serve_start_options(config))
+    return config
 
 
 def _wait_until_healthy(http_url: str, attempts: int = 120) -> None:

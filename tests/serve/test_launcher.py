@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from ddtree_serve.serve.ports import free_port
+from ddtree_serve.serve.ports import free_ports
 from tests.conftest import TinyModelDirs
 from tests.serve.conftest import tiny_serve_config
 
@@ -46,8 +46,7 @@ def test_serve_command_serves_until_sigint_then_leaves_no_ray_process(
     raw = tiny_serve_config(tiny_model_dirs)
     config_path = tmp_path / "serve.yaml"
     config_path.write_text(yaml.safe_dump({key: raw[key] for key in ("model_name", "engine")}))
-    http_port, grpc_port = raw["http"]["port"], raw["grpc"]["port"]
-    dashboard_port, metrics_port = free_port(), free_port()
+    http_port, grpc_port, dashboard_port, metrics_port = free_ports(4)
     ray_dir = tempfile.mkdtemp(prefix="ddtree-launch-")  # short: Ray's socket paths must fit
     command = [
         sys.executable, "-m", "ddtree_serve.serve.launcher", "--config", str(config_path),

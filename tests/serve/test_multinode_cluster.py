@@ -28,11 +28,11 @@ from ray.cluster_utils import Cluster
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.llm import LLM
 from ddtree_serve.engine.sampling_params import SamplingParams
-from ddtree_serve.serve.app import build_app, serve_start_options
+from ddtree_serve.serve.app import build_app
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.local_cluster import LocalClusterSpec, group_nodes, local_cluster, node_of
 from tests.conftest import TinyModelDirs
-from tests.serve.conftest import tiny_serve_config
+from tests.serve.conftest import start_serve_proxies, tiny_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -77,15 +77,14 @@ def served(tiny_model_dirs: TinyModelDirs) -> Iterator[Served]:
         # connections with it, which is a load balancer's concern, not what is tested here.
         proxy_location="HeadOnly",
     )
-    config = ServeConfig.model_validate(raw)
-    reference_llm = LLM.from_config(EngineConfig.model_validate(config.engine.model_dump()))
+    reference_llm = LLM.from_config(EngineConfig.model_validate(raw["engine"]))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = reference_llm.generate(PROMPTS, greedy)
     reference = {prompt: output.text for prompt, output in zip(PROMPTS, outputs, strict=True)}
     temp_dir = Path(tempfile.mkdtemp(prefix="ddtree-multinode-"))
     try:
         with local_cluster(SPEC, temp_dir) as cluster:
-            serve.start(**serve_start_options(config))
+            config = start_serve_proxies(raw)
             serve.run(build_app(config), name=config.app_name, route_prefix="/")
             yield Served(cluster, config, f"http://127.0.0.1:{config.http.port}", reference)
             serve.shutdown()

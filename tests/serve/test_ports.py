@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from ddtree_serve.serve import ports
-from ddtree_serve.serve.ports import free_port
+from ddtree_serve.serve.ports import free_port, free_ports
 
 
 def test_a_free_port_binds_and_lies_below_the_ephemeral_range() -> None:
@@ -34,3 +34,10 @@ def test_a_port_in_use_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_lower_ephemeral_range_narrows_the_draw(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "_ephemeral_start", lambda: 20010)
     assert {free_port() for _ in range(30)} <= set(range(20000, 20010))
+
+
+def test_ports_drawn_together_are_distinct_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 20003)
+    assert sorted(free_ports(3)) == [20000, 20001, 20002]
+    with pytest.raises(OSError, match=r"no free TCP port .*\(3 of the 4 asked for\)"):
+        free_ports(4)
