@@ -4,9 +4,10 @@ A port found by binding port 0 comes from the kernel's ephemeral range, which is
 components land too: its dashboard agent listens on 52365 by default and its raylet, GCS and
 object manager bind further ephemeral ports while a cluster starts. A port probed there and
 released can be taken before Serve's proxy binds it (CI failed once on exactly 52365). So ports
-are drawn from 20000-32767: above Ray's worker range (10002-19999), below Linux's default
-ephemeral range (32768-60999; a host that starts it lower narrows the draw to below its start)
-and macOS's (49152-65535), and clear of every port Ray or Serve binds by default.
+are drawn from 20000-29999: above Ray's worker range (10002-19999), below the HTTP ports Serve's
+direct ingress gives its replicas (30000-31000, `--serve-throughput-optimized`), below Linux's
+default ephemeral range (32768-60999; a host that starts it lower narrows the draw to below its
+start) and macOS's (49152-65535), and clear of every port Ray or Serve binds by default.
 """
 
 import random
@@ -14,13 +15,13 @@ import socket
 from contextlib import ExitStack
 from pathlib import Path
 
-_FIRST, _LAST = 20000, 32767
+_FIRST, _LAST = 20000, 29999
 _ATTEMPTS = 200
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port in 20000-32767, below the kernel's ephemeral range, that `host` can bind now
+    """A port in 20000-29999, below the kernel's ephemeral range, that `host` can bind now
     (chosen at random, so callers racing each other rarely meet)."""
     return free_ports(1, host)[0]
 
