@@ -444,12 +444,31 @@ def test_a_batch_bucket_drafted_at_before_resumes_its_probe_interval():
 
 
 def test_gate_follows_the_recent_curve():
-    gate = DraftGate(curve_weight=0.5)
+    gate = DraftGate(curve_weight=0.5, curve_trees=1)  # every lesson at the full weight
     record_curve(gate, np.array([0.8, 0.4]), np.array([0.6]))
     np.testing.assert_allclose(gate.curve, [0.7, 0.4])
     record_curve(gate, np.array([0.2, 0.2, 0.2]))
     # Known positions blend; the third, reached for the first time, starts as measured.
     np.testing.assert_allclose(gate.curve, [0.45, 0.3, 0.2])
+
+
+def test_a_lesson_of_fewer_trees_than_curve_trees_moves_the_curve_less():
+    """A step's lesson weighs its trees: one of `curve_trees` or more moves the curve by
+    `curve_weight`, one tree (batch 1) by what `curve_trees` one-tree lessons in a row would move
+    it together, so the curve speaks for as many trees at batch 1 as at batch 8."""
+    weight, trees = 0.3, 8
+    gate = DraftGate(curve_weight=weight, curve_trees=trees)
+    record_curve(gate, np.array([0.8, 0.8]))
+    record_curve(gate, np.array([0.0, 0.0]))
+    one_tree = 1.0 - (1.0 - weight) ** (1 / trees)
+    np.testing.assert_allclose(gate.curve, [0.8 * (1.0 - one_tree)] * 2)
+    for _ in range(trees - 1):
+        record_curve(gate, np.array([0.0, 0.0]))
+    np.testing.assert_allclose(gate.curve, [0.8 * (1.0 - weight)] * 2)
+    full = DraftGate(curve_weight=weight, curve_trees=trees)
+    record_curve(full, np.array([0.8, 0.8]))
+    record_curve(full, *[np.array([0.0, 0.0])] * (2 * trees))
+    np.testing.assert_allclose(full.curve, [0.8 * (1.0 - weight)] * 2)  # no more than the weight
 
 
 def test_one_probe_past_the_ceilings_prices_the_wider_ceiling_at_its_gain():
@@ -765,6 +784,7 @@ def run_streak(policy: AdaptiveBudget, monkeypatch, steps: int, cost_per_node: f
                 "ceiling": ceiling,
                 "held": policy.gate.held,
                 "kept": policy.gate.kept,
+                "neighbour_probe": policy.gate.probing_neighbour,
                 "node_turn": node_turn,
                 "weighed": bool(weighed),
                 "nodes": allocation.num_nodes[0],
@@ -1154,7 +1174,8 @@ def test_a_settled_steps_forecast_is_worked_out_when_read_with_the_map_it_was_ch
 def test_a_settled_step_takes_its_ceilings_last_weighed_width(monkeypatch):
     """Nodes cost so much that most weighings keep only the likeliest few: a settled step takes
     the width the last weighing at its ceiling took (its count where it cut the tree, the whole
-    tree where it kept it), with the forecast of those nodes."""
+    tree where it kept it), with the forecast of those nodes. A probe of the choice's neighbours
+    weighs for itself: the streak it resumes keeps its choice's width."""
     policy = AdaptiveBudget(linear_curve(4.0, 3.0, draft_ms=1.0), learning_steps=0, lesson_share=0.0)
     # Every step accepts its first node only, so every narrower ceiling makes its tokens: the
     # tokens ratios stay frozen, or the gate narrows its ceiling and no weighing cuts.
@@ -1172,7 +1193,7 @@ def test_a_settled_step_takes_its_ceilings_last_weighed_width(monkeypatch):
             width = last_weighing["nodes"] if cut else record["ceiling"]
             assert record["nodes"] == min(record["built"], width)
             assert record["expected"] == pytest.approx(record["calibrated"][:width].sum())
-        elif record["weighed"]:
+        elif record["weighed"] and not record["neighbour_probe"]:
             last_weighing = record
 
 

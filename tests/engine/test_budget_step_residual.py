@@ -400,6 +400,19 @@ def test_the_tokens_table_takes_its_windows_trimmed_mean_not_its_median():
     assert times.ratio(1, 8) == pytest.approx(1.0)  # the median of the same samples
 
 
+def test_a_small_batch_keeps_a_window_of_as_many_trees_as_a_full_one():
+    """With `window_trees` 8, a ratio at batch 1 is the trimmed mean of its last 8 windows of
+    samples (one tree each), at batch 8 and above of its last window: a run of lucky steps at
+    batch 1 moves it as little as one lucky step of eight trees would."""
+    one_tree, full = StepResidual(mean=True, window_trees=8), StepResidual(mean=True, window_trees=8)
+    for residual, batch_size in ((one_tree, 1), (full, 8)):
+        for sample in [1.0] * (8 * WINDOW) + [3.0] * WINDOW:
+            residual.observe(batch_size, 8, predicted_ms=1.0, measured_ms=sample)
+    assert full.ratio(8, 8) == pytest.approx(3.0, rel=0.01)  # the last window: all lucky
+    kept = [1.0] * (7 * WINDOW) + [3.0] * WINDOW
+    assert one_tree.ratio(1, 8) == pytest.approx(np.mean(sorted(kept)[1:-1]), rel=0.01)
+
+
 def forecast_gate() -> DraftGate:
     gate = DraftGate(probe_interval=4)
     gate.record_curve(CONFIDENT[None, :], np.array([len(CONFIDENT)]))

@@ -176,6 +176,23 @@ H200's fell from 0.945 to 0.909-0.912 (one copy kept 16, whose rate was more tha
 c = 1, 2, 4, 16 moved within 0.025 either way."""
 
 
+CURVE_TREES = 8
+"""Trees a drafted step's lesson must hold to move the gate's curve by its full `curve_weight`
+(`DraftGate.record_curve`); the tokens ratios keep `CURVE_TREES / bucket` windows of samples at
+the buckets below it (`StepResidual.window_trees`). A step at batch 1 teaches one request's
+tree, whose acceptance swings with the text (1 to 9 tokens a step), so weighed as a step of
+eight trees the forecast it made swung as much: on the CI CPU at c = 1-2 (128-token runs) the
+gate's forecast tokens at ceiling 8 varied by 26-33% (coefficient of variation) from decision
+to decision, and one low enough turned the gate to plain steps that drafting beat by 1.3-1.9x,
+where it stayed until its probes, each one tree, drew a better one (43% of one sweep's c = 2
+steps; 0.73 of fixed-8's tokens/s). Weighed by their trees, 15-18%. In three A/B processes
+(`bench/step_kinds.py --variant curve_trees=...`, 10 rounds a level) five gates at 8 took 0-6
+plain steps a level at c = 1-2, where five of six copies at 1 took 60-267 of their ~660 steps
+there (the sixth 12); c = 2 rose from 0.93-0.96 of fixed-8 to 0.96-0.98 (paired rounds'
+medians), and c = 1 and the virtual H200 (`bench/virtual_device.py`, c = 1-8) moved within the
+copies' spread."""
+
+
 PROBE_TURNS = ("wider", "narrower", "plain")
 """The directions a drafting streak's probes take in turn (`DraftGate._probe_ceiling`); one that
 does not apply passes its turn to the next. A streak at its cap has no wider probe, and there its
@@ -204,6 +221,7 @@ class DraftGate:
         near_tie_rate: float = NEAR_TIE_RATE,
         tail_steps: int = TAIL_STEPS,
         recheck_steps: int = DRAFTED_RECHECK_STEPS,
+        curve_trees: int = CURVE_TREES,
     ) -> None:
         """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone).
         `near_best_ms`: see `NEAR_BEST_MS` (0: a wider ceiling than the best only at no more
@@ -211,7 +229,9 @@ class DraftGate:
         `near_tie_rate`: see `NEAR_TIE_RATE` (0: ties go to the best rate alone); a setting so a
         benchmark can A/B it.
         `tail_steps`: see `TAIL_STEPS` (0: a cruise ends when its steps are spent, always).
-        `recheck_steps`: see `DRAFTED_RECHECK_STEPS`; a setting so a benchmark can A/B it."""
+        `recheck_steps`: see `DRAFTED_RECHECK_STEPS`; a setting so a benchmark can A/B it.
+        `curve_trees`: see `CURVE_TREES` (1: every lesson moves the curve by `curve_weight`, and
+        every bucket's tokens ratios keep one window); a setting so a benchmark can A/B it."""
         if (
             probe_interval < 1
             or not 0.0 < curve_weight <= 1.0
@@ -220,10 +240,11 @@ class DraftGate:
             or not 0.0 <= near_tie_rate < 1.0
             or tail_steps < 0
             or recheck_steps < 1
+            or curve_trees < 1
         ):
             raise ValueError(
                 "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0, near_best_ms >= 0,"
-                " near_tie_rate in [0, 1), tail_steps >= 0 and recheck_steps >= 1"
+                " near_tie_rate in [0, 1), tail_steps >= 0, recheck_steps >= 1 and curve_trees >= 1"
             )
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
@@ -232,6 +253,7 @@ class DraftGate:
         self.near_tie_rate = near_tie_rate
         self.tail_steps = tail_steps
         self.recheck_steps = recheck_steps
+        self.curve_trees = curve_trees
         self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
         # [positions] recent mean of calibrated over calibrated mean (1 where `record_curve` is
         # given no calibration: its probabilities are acceptance already)
@@ -277,7 +299,7 @@ class DraftGate:
         self._streak_turns = 1  # the probe directions that apply to a drafting streak's choice
         self.residual = StepResidual()
         # Per (batch bucket, ceiling): tokens a drafted step made over the tokens it forecast.
-        self.token_residual = StepResidual(mean=True)
+        self.token_residual = StepResidual(mean=True, window_trees=curve_trees)
         # Per batch bucket, the ceiling whose own steps taught its tokens ratio last: the ratio
         # of a wider one is read from it (`_drafted_ceilings`).
         self._tokens_ceiling: dict[int, int] = {}
@@ -760,7 +782,8 @@ class DraftGate:
     ) -> None:
         """A drafted step's candidates as one matrix: row b holds request b's drafter
         probabilities in best-first order (acceptance probabilities when `calibrate` is None),
-        its first `lengths[b]` entries (zeros past them)."""
+        its first `lengths[b]` entries (zeros past them). A lesson of n trees moves the curve as
+        n / `curve_trees` lessons of `curve_trees` trees would, by `curve_weight` at most."""
         width = int(lengths.max(initial=0))
         if width == 0:
             return
@@ -776,8 +799,10 @@ class DraftGate:
             self.curve, self.spread = step_curve, step_spread
             return
         known = min(width, len(self.curve))
-        self.curve[:known] += self.curve_weight * (step_curve[:known] - self.curve[:known])
-        self.spread[:known] += self.curve_weight * (step_spread[:known] - self.spread[:known])
+        trees = int(np.count_nonzero(lengths))
+        weight = min(self.curve_weight, 1.0 - (1.0 - self.curve_weight) ** (trees / self.curve_trees))
+        self.curve[:known] += weight * (step_curve[:known] - self.curve[:known])
+        self.spread[:known] += weight * (step_spread[:known] - self.spread[:known])
         if width > known:
             # Positions no tree reached before (a probe past the ceilings so far) start as
             # measured: blended up from zero they would price the wider ceiling at a third of

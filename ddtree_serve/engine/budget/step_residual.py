@@ -88,10 +88,12 @@ class StepResidual:
     `predicted_ms` and `measured_ms` are then the step's forecast and made tokens.
 
     `frozen` keeps it at 1.0 (the models alone decide); `mean`: each ratio is its window's
-    trimmed mean, not its median."""
+    trimmed mean, not its median; `window_trees`: a batch bucket below it keeps
+    `window_trees / bucket` windows of samples (a step at batch 1 is one request's tree)."""
 
     frozen: bool = False
     mean: bool = False
+    window_trees: int = 1
     _ratios: dict[tuple[int, int], _Ratio] = field(default_factory=dict)
     _levels: dict[int, _Ratio] = field(default_factory=dict)  # per bucket, every ceiling's samples
     _steps: int = 0  # steps observed, any ceiling: the clock ratios go stale by
@@ -148,5 +150,6 @@ class StepResidual:
         for table, key in keys:
             ratio = table.get(key)
             if ratio is None:  # built only when missing: this runs every step
-                ratio = table[key] = _Ratio(deque(maxlen=WINDOW), 0, self._steps)
+                window = WINDOW * max(1, self.window_trees // bucket)
+                ratio = table[key] = _Ratio(deque(maxlen=window), 0, self._steps)
             ratio.add(sample, self._steps, self.mean)
