@@ -185,12 +185,12 @@ eight trees the forecast it made swung as much: on the CI CPU at c = 1-2 (128-to
 gate's forecast tokens at ceiling 8 varied by 26-33% (coefficient of variation) from decision
 to decision, and one low enough turned the gate to plain steps that drafting beat by 1.3-1.9x,
 where it stayed until its probes, each one tree, drew a better one (43% of one sweep's c = 2
-steps; 0.73 of fixed-8's tokens/s). Weighed by their trees, 15-18%. In three A/B processes
-(`bench/step_kinds.py --variant curve_trees=...`, 10 rounds a level) five gates at 8 took 0-6
-plain steps a level at c = 1-2, where five of six copies at 1 took 60-267 of their ~660 steps
-there (the sixth 12); c = 2 rose from 0.93-0.96 of fixed-8 to 0.96-0.98 (paired rounds'
-medians), and c = 1 and the virtual H200 (`bench/virtual_device.py`, c = 1-8) moved within the
-copies' spread."""
+steps; 0.73 of fixed-8's tokens/s). Weighed by their trees, 15-18%. In four A/B processes
+(`bench/step_kinds.py --variant curve_trees=...`, 10 rounds a level, caps 8 and 64) seven
+gates at 8 took 0-11 plain steps over c = 1-2, where seven of eight at 1 took 60-267 of their
+~660 steps there (the eighth 12); c = 2's paired medians read 0.93-0.98 of fixed-8 (median
+0.973) against 0.93-0.96 (0.950), c = 1's were even (0.968 and 0.969), and so was the virtual
+H200 (`bench/virtual_device.py`, c = 1-8)."""
 
 
 PROBE_TURNS = ("wider", "narrower", "plain")
