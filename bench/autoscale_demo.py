@@ -34,7 +34,7 @@ from ray import serve
 from ddtree_serve.serve.app import build_app, serve_start_options
 from ddtree_serve.serve.config import ServeConfig
 from ddtree_serve.serve.local_cluster import LocalClusterSpec, local_cluster
-from ddtree_serve.serve.ports import free_port
+from ddtree_serve.serve.ports import free_ports
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "for i in range(10):"]
@@ -147,7 +147,8 @@ async def ramp(run: Run, config: ServeConfig, args: argparse.Namespace) -> None:
 
 
 def run_policy(policy: str, args: argparse.Namespace) -> Run:
-    config = serve_config(policy, args, (free_port(), free_port()))
+    http_port, grpc_port = free_ports(2)
+    config = serve_config(policy, args, (http_port, grpc_port))
     spec = LocalClusterSpec(num_gpu_nodes=args.nodes, gpus_per_node=2, log_to_driver=False)
     temp_dir = Path(tempfile.mkdtemp(prefix="ddtree-autoscale-"))
     run = Run(policy)

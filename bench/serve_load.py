@@ -45,7 +45,7 @@ from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.serve.config import PlacementWorkers, ServeConfig
 from ddtree_serve.serve.launcher import direct_ingress_ports
-from ddtree_serve.serve.ports import free_port
+from ddtree_serve.serve.ports import free_ports
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -568,7 +568,8 @@ def main() -> None:
         if w not in HOPLESS_WORKERS or (t == args.transport[0] and o == args.overlap[0])
     ]
     gpu_share = 0.5 if args.device.startswith("cuda") else 0.0
-    ports = {"http": {"port": free_port()}, "grpc": {"port": free_port()}}
+    http_port, grpc_port = free_ports(2)
+    ports = {"http": {"port": http_port}, "grpc": {"port": grpc_port}}
     configs = [
         ServeConfig(
             app_name=_app_name(workers, transport, overlap, chained, interval, features),

@@ -12,7 +12,6 @@ start) and macOS's (49152-65535), and clear of every port Ray or Serve binds by 
 
 import random
 import socket
-from contextlib import ExitStack
 from pathlib import Path
 
 _FIRST, _LAST = 20000, 29999
@@ -27,21 +26,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports as `free_port` draws them: each probe stays bound until all are
-    drawn, so one server's HTTP, gRPC and metrics ports can never be drawn as the same port."""
+    """`count` distinct ports as `free_port` draws them, from one random draw (so one server's
+    HTTP, gRPC and metrics ports are never the same port, as two separate draws can be)."""
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
     last = min(_LAST, _ephemeral_start() - 1)
     candidates = range(_FIRST, last + 1)
-    with ExitStack() as probes:
-        drawn: list[int] = []
-        for port in random.sample(candidates, min(_ATTEMPTS, len(candidates))):
-            probe = probes.enter_context(socket.socket())
+    drawn: list[int] = []
+    for port in random.sample(candidates, min(_ATTEMPTS, len(candidates))):
+        with socket.socket() as probe:
             try:
                 probe.bind((host, port))
             except OSError:
                 continue
-            drawn.append(port)
-            if len(drawn) == count:
-                return drawn
+        drawn.append(port)
+        if len(drawn) == count:
+            return drawn
     raise OSError(
         f"no free TCP port on {host or 'any address'} in {_FIRST}-{last} "
         f"({len(drawn)} of the {count} asked for)"

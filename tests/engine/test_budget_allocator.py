@@ -471,6 +471,20 @@ def test_a_lesson_of_fewer_trees_than_curve_trees_moves_the_curve_less():
     np.testing.assert_allclose(full.curve, [0.8 * (1.0 - weight)] * 2)  # no more than the weight
 
 
+def test_a_lesson_weighs_the_trees_it_holds_not_its_rows():
+    """A batch of eight whose trees were cut to nothing but one (requests at their ends) teaches
+    the curve as one tree does; the gate's tokens ratios keep windows for as many trees."""
+    weight, trees = 0.3, 8
+    one_tree, mostly_empty = (DraftGate(curve_weight=weight, curve_trees=trees) for _ in range(2))
+    for gate in (one_tree, mostly_empty):
+        record_curve(gate, np.array([0.8, 0.8]))
+    record_curve(one_tree, np.array([0.0, 0.0]))
+    mostly_empty.record_curve(np.zeros((8, 2)), np.array([2, 0, 0, 0, 0, 0, 0, 0]))
+    np.testing.assert_allclose(mostly_empty.curve, one_tree.curve)
+    assert one_tree.curve[0] > 0.8 * (1.0 - weight)  # less than a full lesson
+    assert one_tree.token_residual.window_trees == trees
+
+
 def test_one_probe_past_the_ceilings_prices_the_wider_ceiling_at_its_gain():
     """Narrow trees for a while, then one probe twice as wide finds its extra nodes as likely
     as the first ones: the wider ceiling wins at once (not after several probes)."""

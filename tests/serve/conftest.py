@@ -4,13 +4,14 @@ Ray allows one cluster per process, so the module that needs a cluster asks for 
 once and shares the deployed application between its tests.
 """
 
+import logging
 import shutil
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -21,6 +22,11 @@ from ddtree_serve.engine.sampling_params import SamplingParams
 from ddtree_serve.engine.spec_engine import SpecEngine
 from ddtree_serve.serve.ports import free_ports
 from tests.conftest import TinyModelDirs
+
+if TYPE_CHECKING:
+    from ddtree_serve.serve.config import ServeConfig
+
+logger = logging.getLogger(__name__)
 
 
 def tiny_serve_config(dirs: TinyModelDirs, **sections: Any) -> dict[str, Any]:
@@ -58,7 +64,7 @@ class ServeCluster:
     http_url: str
     grpc_target: str
     metrics_url: str
-    config: Any  # ServeConfig
+    config: "ServeConfig"
     temp_dir: Path
 
 
@@ -93,7 +99,8 @@ def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterat
     from ddtree_serve.serve.app import build_app
     from ddtree_serve.serve.config import RAY_SYSTEM_CONFIG
 
-    (metrics_port,) = free_ports(1)
+    taken = {raw_config.get("http", {}).get("port"), raw_config.get("grpc", {}).get("port")}
+    metrics_port = next(port for port in free_ports(3) if port not in taken)
     temp_dir = Path(tempfile.mkdtemp(prefix="ddtree-ray-"))
     ray.init(
         num_cpus=2,
@@ -121,7 +128,7 @@ def start_serve_cluster(raw_config: dict[str, Any], num_gpus: int = 0) -> Iterat
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def start_serve_proxies(raw_config: dict[str, Any]) -> Any:
+def start_serve_proxies(raw_config: dict[str, Any]) -> "ServeConfig":
     """`serve.start` on `raw_config`'s ports, or on ports drawn again where a proxy could not bind
     one; the ServeConfig it started with.
 
@@ -144,11 +151,19 @@ def start_serve_proxies(raw_config: dict[str, Any]) -> Any:
             if "Failed to bind" not in str(error):
                 raise
             serve.shutdown()
-        http_port, grpc_port = free_ports(2)
-        config = config.model_copy(
-            update={
-                "http": config.http.model_copy(update={"port": http_port}),
-                "grpc": config.grpc.model_copy(update={"port": grpc_port}),
+        http_port, grpc_port = free_ports(2, config.http.host)
+        logger.warning(
+            "a Serve proxy could not bind port %d or %d; starting again on %d and %d",
+            config.http.port,
+            config.grpc.port,
+            http_port,
+            grpc_port,
+        )
+        config = ServeConfig.model_validate(
+            {
+                **raw_config,
+                "http": {**raw_config.get("http", {}), "port": http_port},
+                "grpc": {**raw_config.get("grpc", {}), "port": grpc_port},
             }
         )
     serve.start(**serve_start_options(config))

@@ -36,8 +36,14 @@ def test_a_lower_ephemeral_range_narrows_the_draw(monkeypatch: pytest.MonkeyPatc
     assert {free_port() for _ in range(30)} <= set(range(20000, 20010))
 
 
-def test_ports_drawn_together_are_distinct_ports(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 20003)
-    assert sorted(free_ports(3)) == [20000, 20001, 20002]
-    with pytest.raises(OSError, match=r"no free TCP port .*\(3 of the 4 asked for\)"):
-        free_ports(4)
+def test_ports_drawn_together_are_distinct_and_too_few_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    drawn = free_ports(3)
+    assert len(set(drawn)) == 3 and all(20000 <= port <= 29999 for port in drawn)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        monkeypatch.setattr(random, "sample", lambda population, k: [holder.getsockname()[1], drawn[0]])
+        with pytest.raises(OSError, match=r"no free TCP port .*\(1 of the 2 asked for\)"):
+            free_ports(2)
+    with pytest.raises(ValueError, match="at least 1"):
+        free_ports(0)

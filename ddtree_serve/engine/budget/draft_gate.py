@@ -178,8 +178,8 @@ c = 1, 2, 4, 16 moved within 0.025 either way."""
 
 CURVE_TREES = 8
 """Trees a drafted step's lesson must hold to move the gate's curve by its full `curve_weight`
-(`DraftGate.record_curve`); the tokens ratios keep `CURVE_TREES / bucket` windows of samples at
-the buckets below it (`StepResidual.window_trees`). A step at batch 1 teaches one request's
+(`DraftGate.record_curve`); the tokens ratios keep `CURVE_TREES // b` windows of samples at
+the batch buckets b below it (`StepResidual.window_trees`). A step at batch 1 teaches one request's
 tree, whose acceptance swings with the text (1 to 9 tokens a step), so weighed as a step of
 eight trees the forecast it made swung as much: on the CI CPU at c = 1-2 (128-token runs) the
 gate's forecast tokens at ceiling 8 varied by 26-33% (coefficient of variation) from decision

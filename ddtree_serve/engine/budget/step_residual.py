@@ -41,7 +41,8 @@ MAX_RATIO = 4.0
 """A step counts as at most this many times its prediction (or its inverse)."""
 
 WINDOW = 7
-"""Recent samples a ratio is the median of: up to three outliers in a row leave it alone."""
+"""Recent samples a ratio is the median of: up to three outliers in a row leave it alone (a
+table with `window_trees` keeps more at small batch buckets: `StepResidual`)."""
 
 SHRINK_SAMPLES = 2.0
 """Pseudo-samples at the bucket's level behind every ratio: one step is a third of what it says."""
@@ -88,8 +89,9 @@ class StepResidual:
     `predicted_ms` and `measured_ms` are then the step's forecast and made tokens.
 
     `frozen` keeps it at 1.0 (the models alone decide); `mean`: each ratio is its window's
-    trimmed mean, not its median; `window_trees`: a batch bucket below it keeps
-    `window_trees / bucket` windows of samples (a step at batch 1 is one request's tree)."""
+    trimmed mean, not its median; `window_trees`: a batch bucket b below it keeps
+    `window_trees // b` windows of samples, its ratios and its level alike (a step at batch 1
+    is one request's tree)."""
 
     frozen: bool = False
     mean: bool = False
