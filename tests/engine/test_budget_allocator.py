@@ -1060,7 +1060,7 @@ def test_a_whole_cruise_step_teaches_the_narrower_ceilings_from_its_trees_prefix
     pair = TreeBatch.from_trees(
         [build_ddtree(*random_draft(seed, depth=6, k=8), 8, root_token=7) for seed in (1, 2)]
     )
-    policy._cruise = _Cruise(ceiling=16, width=8, batch_bucket=2, cap_bucket=16, steps_left=2)
+    policy._cruise = _Cruise(ceiling=16, width=8, batch_bucket=2, cap_bucket=16, steps_left=3)
     # Nodes 1 and 1, 3 accepted: cut to 4 nodes the trees keep all three, cut to 2 two of them.
     policy.cruised(pair, [1, 2], accept_index_of([[1], [1, 3]]))
     policy.learn()  # a cruise's lessons wait for a batch of them, or for its end
@@ -1080,7 +1080,9 @@ def test_a_whole_cruise_step_teaches_the_narrower_ceilings_from_its_trees_prefix
 def test_a_cruise_teaches_its_steps_a_batch_at_a_time_and_all_of_them_before_a_decision():
     """On the H100's host one cruise lesson took 0.1 ms of a 3 ms step at batch 1, 13 us of it
     when run warm after another: `learn` teaches a cruise's lessons `CRUISE_LESSON_BATCH` at a
-    time, and `plan` teaches any still waiting before the gate decides."""
+    time, and those still waiting in the cruise's last step (its draft or verify, not the next
+    step's `plan`, which runs before the draft is launched); `plan` teaches the last step's own
+    before the gate decides."""
     policy = AdaptiveBudget(linear_curve(4.0, 0.0, draft_ms=1.0))
     gate = policy.gate
     gate._streak_choice, gate._streak_batch, gate._streak_tokens = 16, 2, 10.0
@@ -1099,10 +1101,12 @@ def test_a_cruise_teaches_its_steps_a_batch_at_a_time_and_all_of_them_before_a_d
         policy.cruised(pair, [1, 2], accept_index_of([[1], [1, 3]]))
         policy.learn()
         taught.append(samples())
-    assert taught == [0] * (CRUISE_LESSON_BATCH - 1) + [CRUISE_LESSON_BATCH] * 4
+    # After the 10th step's lesson the cruise's last step is under way: its learn teaches both.
+    last = [steps - 1] * 2
+    assert taught == [0] * (CRUISE_LESSON_BATCH - 1) + [CRUISE_LESSON_BATCH] * 2 + last
     assert policy.cruise_width(2, 16) is None  # its steps are spent: the next step plans
     policy.plan([16, 16])
-    assert samples() == steps  # the three left were taught before the decision
+    assert samples() == steps  # the last step's lesson was taught before the decision
 
 
 def test_a_drafting_cruise_holds_as_its_batch_drains_and_ends_when_it_grows():
