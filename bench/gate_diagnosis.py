@@ -135,11 +135,11 @@ def hook(choices_only: bool = False) -> None:
         )
         return step
 
-    def recorded(self: AdaptiveBudget, step_ms: float) -> None:
+    def recorded(self: AdaptiveBudget, step_ms: float, draft_unused: bool = False) -> None:
         if id(self) in pending:
             batch_size, ceiling, tokens, forecast, settled = pending.pop(id(self))
             steps[(batch_bucket(batch_size), ceiling)].append(StepRecord(tokens, forecast, step_ms, settled))
-        record_step_ms(self, step_ms)
+        record_step_ms(self, step_ms, draft_unused)
 
     def chose(self: DraftGate, caps, *args, **kwargs) -> int:
         priced_now.clear()

@@ -175,6 +175,10 @@ class SpecEngine:
         # The adaptive step's requests, their keepable depths and caps (`_adaptive_inputs_of`).
         self._adaptive_inputs: tuple[list[Request], list[int], list[int]] | None = None
         self._cruise_step: _CruiseStep | None = None  # this step's, when the policy cruises
+        # The last draft came back on a device (its kernels queued, not done): the adaptive step
+        # may launch its draft before it plans (`_draft`).
+        self._device_drafts = False
+        self._draft_unused = False  # this step's draft, launched before its plan, went unused
 
     def _warm_up_graphs(self, token_buckets: tuple[int, ...]) -> None:
         """Capture the graphs every step shape meets (`graph_warmup`); an adaptive policy learns
@@ -287,6 +291,7 @@ class SpecEngine:
         prefills' first tokens when `on_first_tokens` took them already)."""
         self._adaptive_inputs = None  # worked out again for this step's requests
         self._cruise_step = None
+        self._draft_unused = False
         with self.timer.stage(Stage.SCHEDULE):
             scheduled = self.scheduler.schedule()
         if scheduled.prefills:
@@ -312,7 +317,8 @@ class SpecEngine:
                 self._append(running, trees, verdict)
         outputs = self._postprocess(scheduled)
         if running and self.budget_policy is not None and self._cruise_step is None:
-            self.budget_policy.record_step_ms(1000.0 * (time.perf_counter() - started))
+            step_ms = 1000.0 * (time.perf_counter() - started)
+            self.budget_policy.record_step_ms(step_ms, draft_unused=self._draft_unused)
         return outputs
 
     def _prefill(self, requests: list[Request]) -> None:
@@ -349,61 +355,103 @@ class SpecEngine:
         (a probe's); K is the largest any request's tree can use.
 
         No draft (root-only trees: plain decoding) without a drafter, or while it is lost.
+        Where the adaptive policy all but surely drafts again (`AdaptiveBudget.drafts_ahead`)
+        and the drafter computes on a device, the draft is launched before `plan`, at the
+        widest K: the decision's host time runs while the device drafts (a best-first tree of n
+        nodes takes at most n children a position, so K past the ceiling builds the same trees).
         """
         requests = running
         restoring = not self._drafter_in_sync  # a drafter back from a loss takes whole contexts
         if self.drafter is None or not self._drafter_ready(self.drafter, requests):
             return running, None
-        cruise = None if self.budget_policy is None else self._start_cruise(requests)
+        policy = self.budget_policy
+        cruise = None if policy is None else self._start_cruise(requests)
         if cruise is not None and cruise.width == 0:
             return running, None  # a plain streak's cruise
         top_k = 1 if self.settings.mode == "chain" else max(self._top_k(r) for r in requests)
+        # A draft that takes a prompt's context (a newcomer's first) or several steps' (after
+        # plain steps) is not what a step at its ceiling costs: the policy learns no cost from it.
+        catching_up = restoring or any(r.steps == 0 or len(r.pending_contexts) > 1 for r in requests)
         if cruise is not None:
             top_k = min(top_k, cruise.width)
-        elif self.budget_policy is not None:
-            ceiling = self.budget_policy.plan(self._adaptive_inputs_of(requests)[1])
+        elif policy is not None:
+            ahead = self._device_drafts and not restoring and policy.drafts_ahead
+            started = time.perf_counter()
+            draft = self._call_drafter(requests, top_k) if ahead else None
+            if ahead and draft is None:
+                return running, None  # the drafter was lost
+            ceiling = policy.plan(self._adaptive_inputs_of(requests)[1], hidden=ahead)
+            if draft is not None and ceiling == 0:  # a plain step after all: the draft goes unused
+                self._draft_unused = True
+                self._take_contexts(requests, draft)
+                return running, None
+            if draft is not None:
+                return running, self._drafted(requests, draft, started, catching_up, with_plan=True)
             if ceiling == 0:
                 return running, None
-            top_k = min(top_k, self.budget_policy.settled_width or ceiling)
-            if self.budget_policy.probing:
+            top_k = min(top_k, policy.settled_width or ceiling)
+            if policy.probing:
                 # A probe after plain steps only refreshes the acceptance curve: a few requests
                 # tell it, and only they pay the drafter's catch-up on the context they skipped.
                 requests = self._probe_requests(running)
                 drafted = {id(r) for r in requests}
                 running = [*requests, *(r for r in running if id(r) not in drafted)]
+        started = time.perf_counter()
+        draft = self._call_drafter(requests, top_k)
+        if draft is None:
+            return running, None
+        return running, self._drafted(requests, draft, started, catching_up)
+
+    def _call_drafter(self, requests: list[Request], top_k: int) -> DraftOutput | None:
+        """One drafter call over `requests`' undrafted contexts (None: the drafter was lost,
+        the step is a plain one now)."""
         contexts = [tuple(r.pending_contexts) for r in requests]
         assert all(contexts), "every running request has undrafted context"
-        # A draft that takes a prompt's context (a newcomer's first) or several steps' (after
-        # plain steps) is not what a step at its ceiling costs: the policy learns no cost from it.
-        catching_up = restoring or any(r.steps == 0 or len(r.pending_contexts) > 1 for r in requests)
         bonus_tokens = torch.tensor([r.bonus_token for r in requests], dtype=torch.int64)
         draft_input = DraftInput([_slot(r) for r in requests], bonus_tokens, contexts, top_k)
-        started = time.perf_counter()
         try:
             draft = self.drafter.draft(draft_input)
         except DrafterUnavailableError as error:
             self._lose_drafter(error)
             self._cruise_step = None  # the step is a plain one now, recorded as such
-            return running, None
-        if self.budget_policy is not None and draft.logp.is_cuda:
+            return None
+        self._device_drafts = draft.logp.is_cuda
+        return draft
+
+    def _drafted(
+        self,
+        requests: list[Request],
+        draft: DraftOutput,
+        started: float,
+        catching_up: bool,
+        with_plan: bool = False,
+    ) -> DraftOutput:
+        """A drafter call's draft, its contexts taken: with the adaptive policy (not cruising)
+        its top-K on the host and its time recorded, from `started` (the call's launch;
+        `with_plan`: the plan ran within it)."""
+        policy = self.budget_policy
+        if policy is not None and draft.logp.is_cuda:
             # The last step's lesson while the drafter's kernels run: the top-K copy waits for
             # them (on the H200 at batch 1 half a millisecond), and the verify, launch-bound
             # there, hid it only in part. A cruising step's too (the cruise before it): learned
             # in the verify, it took 0.14 ms of an H100 cruising step's verify at batch 1.
-            self.budget_policy.learn()
-        if self.budget_policy is not None and self._cruise_step is None:
+            policy.learn()
+        if policy is not None and self._cruise_step is None:
             # The top-K to the host (the build's one copy, made here), so the drafter's time is
             # the draft stage's.
             logp, ids = topk_on_host(draft.logp, draft.ids)
             draft = DraftOutput(logp, ids, draft.num_context_tokens)
             draft_ms = 1000.0 * (time.perf_counter() - started)
-            self.budget_policy.record_draft_ms(
-                draft_ms, catching_up=catching_up or self.budget_policy.probing
-            )
+            policy.record_draft_ms(draft_ms, catching_up=catching_up or policy.probing, with_plan=with_plan)
+        self._take_contexts(requests, draft)
+        return draft
+
+    @staticmethod
+    def _take_contexts(requests: list[Request], draft: DraftOutput) -> None:
+        """The drafter holds `requests`' contexts up to this draft: none is pending any more."""
         for request in requests:
             request.pending_contexts = []
         _check_positions(requests, draft.num_context_tokens)
-        return running, draft
 
     # ------------------------------------------------------------------ the overlapped step
 

@@ -54,8 +54,8 @@ def steer_by_the_file(engine: SpecEngine) -> None:
     policy = engine.budget_policy
     record_draft_ms = policy.record_draft_ms
 
-    def record_file_priced_draft(draft_ms: float, catching_up: bool = False) -> None:
-        record_draft_ms(draft_ms, catching_up)
+    def record_file_priced_draft(draft_ms: float, catching_up: bool = False, with_plan: bool = False) -> None:
+        record_draft_ms(draft_ms, catching_up, with_plan)
         policy._draft_ms = None  # a step's drafter call unmeasured is priced at the file
 
     policy.record_draft_ms = record_file_priced_draft
@@ -172,8 +172,8 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
     top_ks = recorded_top_ks(engine.drafter)
     plan = policy.plan
 
-    def recording_plan(caps):
-        ceiling = plan(caps)
+    def recording_plan(caps, hidden=False):
+        ceiling = plan(caps, hidden=hidden)
         settled_widths.append(policy.settled_width if ceiling else None)
         return ceiling
 
@@ -208,9 +208,9 @@ def test_a_plain_streak_cruises_unasked_until_its_batch_changes(make_pair_config
     planned: list[bool] = []
     plan = policy.plan
 
-    def recording_plan(caps):
+    def recording_plan(caps, hidden=False):
         planned[-1] = True
-        return plan(caps)
+        return plan(caps, hidden=hidden)
 
     policy.plan = recording_plan
     lengths = (16, 40, 40)  # the first request leaves the batch early
@@ -286,9 +286,9 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(
     top_ks = recorded_top_ks(engine.drafter)
     plan = policy.plan
 
-    def recording_plan(caps):
+    def recording_plan(caps, hidden=False):
         plans.append(len(top_ks))
-        return plan(caps)
+        return plan(caps, hidden=hidden)
 
     policy.plan = recording_plan
     add_greedy_requests(engine, prompt_ids, max_tokens)
@@ -727,3 +727,102 @@ def test_a_verify_that_raises_leaves_no_hook_on_the_target(make_oracle_engine, p
         for _ in range(3):
             engine.step()
     assert target.while_verifying is None
+
+
+def drafts_as_on_a_device(engine: SpecEngine, monkeypatch) -> list[bool]:
+    """Every draft of `engine` counts as a device's (its kernels queued when the call returns,
+    as a CUDA drafter's), so its adaptive steps may launch a draft before they plan; returns the
+    `hidden` flag of every `plan` from now on, in order."""
+    call_drafter = engine._call_drafter
+
+    def on_device(requests, top_k):
+        draft = call_drafter(requests, top_k)
+        engine._device_drafts = draft is not None
+        return draft
+
+    monkeypatch.setattr(engine, "_call_drafter", on_device)
+    hidden_flags: list[bool] = []
+    plan = engine.budget_policy.plan
+
+    def recording_plan(caps, hidden=False):
+        hidden_flags.append(hidden)
+        return plan(caps, hidden=hidden)
+
+    monkeypatch.setattr(engine.budget_policy, "plan", recording_plan)
+    return hidden_flags
+
+
+@pytest.mark.parametrize("cost", ["free_nodes", "steep"])
+def test_a_draft_launched_before_the_plan_keeps_the_output_and_the_drafters_context(
+    make_pair_config, greedy_references, prompt_ids, cost_files, cost, monkeypatch
+):
+    """With a device's drafter a step the policy all but surely drafts launches its draft (at
+    the widest K) before it plans: the trees cut from it are a best-first tree's prefixes, the
+    output stays the plain decoding's and the drafter's context the target's cache."""
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files[cost]}))
+    steer_by_the_file(engine)
+    drafter = CheckingDrafter(engine.drafter, engine.target)
+    engine.drafter = drafter
+    top_ks = recorded_top_ks(drafter)
+    hidden = drafts_as_on_a_device(engine, monkeypatch)
+    add_greedy_requests(engine, prompt_ids, REFERENCE_TOKENS)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = list(output.token_ids)
+        check_after_step(engine, drafter)
+    for i, prompt in enumerate(prompt_ids):
+        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
+    assert drafter.mismatches == []
+    assert not hidden[0]  # the first plan has no drafting decision behind it
+    if cost == "free_nodes":  # drafting far ahead of plain steps: its decisions run hidden
+        assert any(hidden) and 16 in top_ks  # drafts launched ahead take the cap's K
+    else:  # plain steps within `PLAIN_PROBE_MAX_GAIN`: a plain probe may come, nothing ahead
+        assert not any(hidden)
+
+
+def test_a_plain_choice_after_a_draft_launched_ahead_leaves_it_unused(
+    make_pair_config, greedy_references, prompt_ids, cost_files, monkeypatch
+):
+    """A plan that turns to a plain step after its draft was launched: the step decodes
+    plainly, the drafter keeps the context it took (the next draft needs no catch-up) and the
+    step's time is taught without the drafter call's price (`draft_unused`)."""
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["free_nodes"]}))
+    steer_by_the_file(engine)
+    drafter = CheckingDrafter(engine.drafter, engine.target)
+    engine.drafter = drafter
+    policy = engine.budget_policy
+    plan = policy.plan
+    turned: list[bool] = []
+
+    def plain_every_other_ahead(caps, hidden=False):
+        ceiling = plan(caps, hidden=hidden)
+        if hidden:
+            turned.append(not turned or not turned[-1])
+            return 0 if turned[-1] else ceiling
+        return ceiling
+
+    monkeypatch.setattr(policy, "plan", plain_every_other_ahead)
+    drafts_as_on_a_device(engine, monkeypatch)
+    record_step_ms = policy.record_step_ms
+    unused: list[bool] = []
+
+    def recording_step_ms(step_ms, draft_unused=False):
+        unused.append(draft_unused)
+        record_step_ms(step_ms, draft_unused=draft_unused)
+
+    monkeypatch.setattr(policy, "record_step_ms", recording_step_ms)
+    add_greedy_requests(engine, prompt_ids, REFERENCE_TOKENS)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = list(output.token_ids)
+        check_after_step(engine, drafter)
+    for i, prompt in enumerate(prompt_ids):
+        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
+    assert drafter.mismatches == []
+    assert sum(turned) >= 1 and sum(unused) == sum(turned)

@@ -219,9 +219,9 @@ def test_an_adaptive_engine_learns_no_cost_from_a_restored_drafters_first_draft(
     flags: list[tuple[int, bool]] = []  # (drafter returns so far, catching up) per timed draft
     record = policy.record_draft_ms
 
-    def recording(draft_ms: float, catching_up: bool = False) -> None:
+    def recording(draft_ms: float, catching_up: bool = False, with_plan: bool = False) -> None:
         flags.append((drafter.num_returns, catching_up))
-        record(draft_ms, catching_up)
+        record(draft_ms, catching_up, with_plan)
 
     policy.record_draft_ms = recording
     outputs = run_with_joins(engine, prompt_ids)

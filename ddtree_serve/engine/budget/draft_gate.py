@@ -278,6 +278,9 @@ class DraftGate:
         self._drafted_probe_intervals: dict[int, int] = {}  # per batch bucket, once it probed
         self._probe_bucket: int | None = None  # the batch bucket the interval was set for
         self.probing = False  # the last ceiling is a probe after plain steps
+        # The last decision found the best drafting rate above `PLAIN_PROBE_MAX_GAIN` times a
+        # plain step's: no plain probe among its options (False until a decision had a curve).
+        self.plain_far = False
         # The last ceiling is a probe of a neighbour of the drafting choice (wider or narrower):
         # its trees are what keeps the curve past the chosen width current.
         self.probing_neighbour = False
@@ -408,6 +411,7 @@ class DraftGate:
             drafted = candidates[near]
             best = drafted if drafted_rate > plain_rate or learning else 0
             plain_close = drafted_rate <= PLAIN_PROBE_MAX_GAIN * plain_rate
+        self.plain_far = self.curve is not None and not plain_close
         predicted_ms[0], predicted_tokens[0] = plain_ms, float(batch_size)
         if streak[0] != self._probe_bucket:  # another load: its neighbours at its own interval
             first = min(FIRST_PROBE_INTERVAL, self.probe_interval)

@@ -222,6 +222,7 @@ class AdaptiveBudget:
         self._allocation: Allocation | None = None
         self._lesson: _Lesson | None = None  # the last observed step's, until `learn`
         self._catching_up = False  # the step's draft took more context than one step's
+        self._draft_with_plan = False  # the step's draft was launched before its plan
         self._graph_capped = False  # captured verify graphs cut the step below its ceiling
         # A request's end cut some of the step's trees: its tokens say nothing of the ceiling's
         # whole trees, which the gate forecast (`DraftGate.token_residual`).
@@ -249,14 +250,27 @@ class AdaptiveBudget:
         # The step under way planned (a step with the drafter lost does not: it arms no cruise).
         self._planned = False
 
-    def plan(self, caps: Sequence[int]) -> int:
-        """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs."""
+    def plan(self, caps: Sequence[int], hidden: bool = False) -> int:
+        """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs.
+        `hidden`: it runs while the device computes the step's draft, launched before it
+        (`drafts_ahead`): its host time is not the step's, so no deciding time is counted."""
         started = time.perf_counter()
         ceiling = self._plan(caps)
         self._planned = True
         self._choose_ms = 0.0
-        self._deciding_ms = 1000.0 * (time.perf_counter() - started)
+        self._deciding_ms = 0.0 if hidden else 1000.0 * (time.perf_counter() - started)
         return ceiling
+
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether the engine may launch the next step's draft before its `plan` (at the widest
+        K its requests may use), so that the decision runs while the device drafts: the last
+        planned step drafted, not as a probe after plain steps, and its gate found drafting
+        well ahead of a plain step (`DraftGate.plain_far`), so the next decision all but surely
+        drafts too. On the H200 `plan` took 0.5-0.8 ms of each decision and prefill step,
+        before the draft was launched, at c = 1-2 (`bench/step_stages.py`). Where it does choose
+        a plain step, the draft is spent unused (`record_step_ms`'s `draft_unused`)."""
+        return self._ceiling > 0 and not self.gate.probing and self.gate.plain_far
 
     def _plan(self, caps: Sequence[int]) -> int:
         self._learn_cruise()  # before the gate weighs the ratios it teaches
@@ -430,13 +444,15 @@ class AdaptiveBudget:
         may draft a few of its requests (the others verify root-only trees)."""
         return self.gate.probing
 
-    def record_draft_ms(self, draft_ms: float, catching_up: bool = False) -> None:
+    def record_draft_ms(self, draft_ms: float, catching_up: bool = False, with_plan: bool = False) -> None:
         """The drafter call's milliseconds (this step's choice counts them). `catching_up`: it
         also took context beyond one step's (a newcomer's prompt, steps skipped): neither it nor
         its step's wall time teaches a cost (the drafter's curve, the step overhead, the
-        ceiling's ratio)."""
+        ceiling's ratio). `with_plan`: launched before `plan` (`drafts_ahead`), its time holds
+        the plan's: the drafter's curve learns nothing from it, the step's wall time does."""
         self._catching_up = catching_up
         self._draft_ms = draft_ms
+        self._draft_with_plan = with_plan
 
     def record_build_ms(self, build_ms: float) -> None:
         """The build stage's milliseconds, `choose` included: the build's price learns them
@@ -629,7 +645,7 @@ class AdaptiveBudget:
             else _Lesson(
                 batch_size=batch_size,
                 target_tokens=batch_size * (padded_num_nodes or max(verified) + 1),  # the verify's forward
-                draft_ms=None if self._catching_up else self._draft_ms,
+                draft_ms=None if self._catching_up or self._draft_with_plan else self._draft_ms,
                 verify_ms=self._verify_ms,
                 nodes=nodes,
                 probe=self.probing,
@@ -764,10 +780,14 @@ class AdaptiveBudget:
             self.calibrator.refresh()
             self._calibration_batch = []
 
-    def record_step_ms(self, step_ms: float) -> None:
+    def record_step_ms(self, step_ms: float, draft_unused: bool = False) -> None:
         """The observed step's wall time (after its prefills): teaches the step overhead, and a
         probe after plain steps its cost (`DraftGate.record_probe_ms`). A plain streak's step
-        arms a cruise of the steps it keeps unasked (`PLAIN_CRUISE_STEPS`)."""
+        arms a cruise of the steps it keeps unasked (`PLAIN_CRUISE_STEPS`). `draft_unused`: the
+        step's draft was launched ahead of a plan that chose a plain step (`drafts_ahead`):
+        the drafter call's price comes off its time, which is taught as a plain step's."""
+        if draft_unused and self.last_step is not None:
+            step_ms = max(step_ms - self.cost.draft_ms(len(self.last_step.num_nodes)), 0.0)
         if self.last_step is not None and self.last_step.drafted:
             self.gate.record_probe_ms(len(self.last_step.num_nodes), step_ms)  # a probe's only
             self._drafted_step_wall_ms = _ema_from_first(self._drafted_step_wall_ms, step_ms)
