@@ -357,8 +357,8 @@ class SpecEngine:
         No draft (root-only trees: plain decoding) without a drafter, or while it is lost.
         Where the adaptive policy all but surely drafts again (`AdaptiveBudget.drafts_ahead`)
         and the drafter computes on a device, the draft is launched before `plan`, at the
-        widest K: the decision's host time runs while the device drafts (a best-first tree of n
-        nodes takes at most n children a position, so K past the ceiling builds the same trees).
+        widest K, and cut to the plan's K after it (the ranks come descending): the decision's
+        host time runs while the device drafts.
         """
         requests = running
         restoring = not self._drafter_in_sync  # a drafter back from a loss takes whole contexts
@@ -385,11 +385,12 @@ class SpecEngine:
                 self._draft_unused = True
                 self._take_contexts(requests, draft)
                 return running, None
-            if draft is not None:
+            top_k = min(top_k, policy.settled_width or ceiling)
+            if draft is not None:  # its best ranks, as a draft at the plan's K would have
+                draft = DraftOutput(draft.logp[..., :top_k], draft.ids[..., :top_k], draft.num_context_tokens)
                 return running, self._drafted(requests, draft, started, catching_up, with_plan=True)
             if ceiling == 0:
                 return running, None
-            top_k = min(top_k, policy.settled_width or ceiling)
             if policy.probing:
                 # A probe after plain steps only refreshes the acceptance curve: a few requests
                 # tell it, and only they pay the drafter's catch-up on the context they skipped.
