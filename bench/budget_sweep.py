@@ -280,6 +280,14 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
         help="a device's cost file: the real pair runs here, each forward taking the file's time "
         "on the clock every timer reads (`virtual_device.py`; a simulation of that device)",
     )
+    parser.add_argument(
+        "--virtual-draft-launch-ms",
+        type=float,
+        default=None,
+        help="with --virtual-cost: drafts run asynchronously, as a device's, the drafter call "
+        "returning after this many ms and the top-K's copy waiting for the draft's end "
+        "(the H200's launch: 0.29) (default: synchronous drafts)",
+    )
 
 
 def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
@@ -298,7 +306,7 @@ def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
     )
     target, drafter = build_target_step(base), build_draft_step(base)
     if args.virtual_cost is not None:
-        target, drafter = virtualize(target, drafter, args.virtual_cost)
+        target, drafter = virtualize(target, drafter, args.virtual_cost, args.virtual_draft_launch_ms)
     tokenizer = load_tokenizer(target_dir(base))
     if args.prompt_set == "heldout":
         prompts = heldout_prompts(heldout_stream(tokenizer), HELDOUT_PROMPTS, HELDOUT_PROMPT_TOKENS)

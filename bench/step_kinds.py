@@ -190,6 +190,12 @@ def main() -> None:
         help="an adaptive engine with these draft-gate settings beside the default one, e.g. "
         "near_best_ms=0.08 (repeatable; default: none)",
     )
+    parser.add_argument(
+        "--variant-no-draft-ahead",
+        action="store_true",
+        help="an adaptive engine whose steps never launch their draft before they plan "
+        "(`AdaptiveBudget.draft_ahead` off) beside the default one (default: none)",
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -206,6 +212,9 @@ def main() -> None:
     policies = {"adaptive": adaptive_policy()}
     for settings in args.variant:
         policies["adaptive " + ",".join(f"{k}={v}" for k, v in settings.items())] = adaptive_policy(settings)
+    if args.variant_no_draft_ahead:
+        policies["adaptive no draft ahead"] = adaptive_policy()
+        policies["adaptive no draft ahead"].draft_ahead = False
 
     def fixed_or_plain(budget: int) -> tuple[str, SpecEngine]:
         """A fixed budget's engine by name, or plain decoding's (`ar`) for budget 0."""

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import ddtree_serve.engine.spec_engine as spec_engine_module
+import ddtree_serve.engine.tree_builder as tree_builder_module
 from ddtree_serve.engine.budget import CostCurve, load_cost_curve
 from ddtree_serve.engine.interfaces import (
     DraftInput,
@@ -42,6 +44,12 @@ class VirtualClock:
     def __init__(self) -> None:
         self.real: Callable[[], float] = REAL_PERF_COUNTER
         self.offset = 0.0
+        self.device_free_at = 0.0  # when the simulated device ends the draft it queued last
+
+    def wait_for_device(self) -> None:
+        """A call that needs the device's queued draft done (its top-K's copy, the next
+        forward) starts no earlier than that."""
+        self.offset += max(self.device_free_at - self(), 0.0)
 
     def __call__(self) -> float:
         return self.real() + self.offset
@@ -64,6 +72,7 @@ class VirtualTarget:
         return getattr(self.inner, name)
 
     def prefill(self, inputs: PrefillInput) -> PrefillOutput:
+        self.clock.wait_for_device()
         started = self.clock.real()
         output = self.inner.prefill(inputs)
         tokens = sum(len(p) for p in inputs.prompts)
@@ -71,6 +80,7 @@ class VirtualTarget:
         return output
 
     def verify_and_commit(self, inputs: VerifyInput) -> VerifyOutput:
+        self.clock.wait_for_device()
         started = self.clock.real()
         if self.while_verifying is not None:
             self.while_verifying()
@@ -83,24 +93,47 @@ class VirtualTarget:
 
 
 class VirtualDrafter:
-    """A draft step whose drafts take the cost file's time on `clock`."""
+    """A draft step whose drafts take the cost file's time on `clock`; with `launch_ms`, as a
+    device's: the call returns after its launch, and the device ends the draft the file's time
+    after the call began (the top-K's copy and the next forward wait for it)."""
 
-    def __init__(self, inner, cost: CostCurve, clock: VirtualClock) -> None:
-        self.inner, self.cost, self.clock = inner, cost, clock
+    def __init__(self, inner, cost: CostCurve, clock: VirtualClock, launch_ms: float | None = None) -> None:
+        self.inner, self.cost, self.clock, self.launch_ms = inner, cost, clock, launch_ms
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
     def draft(self, inputs: DraftInput) -> DraftOutput:
-        started = self.clock.real()
+        self.clock.wait_for_device()
+        began, started = self.clock(), self.clock.real()
         output = self.inner.draft(inputs)
-        self.clock.charge(started, self.cost.draft_ms(len(inputs.slots)) / 1000.0)
+        draft_ms = self.cost.draft_ms(len(inputs.slots))
+        if self.launch_ms is None:
+            self.clock.charge(started, draft_ms / 1000.0)
+        else:
+            self.clock.charge(started, min(self.launch_ms, draft_ms) / 1000.0)
+            self.clock.device_free_at = began + draft_ms / 1000.0
         return output
 
 
-def virtualize(target, drafter, cost_path: Path) -> tuple[VirtualTarget, VirtualDrafter]:
+def virtualize(
+    target, drafter, cost_path: Path, draft_launch_ms: float | None = None
+) -> tuple[VirtualTarget, VirtualDrafter]:
     """The pair on the cost file's clock, which from now on is `time.perf_counter` for every
-    module that calls it through `time` (the engine, the policy, the benches)."""
+    module that calls it through `time` (the engine, the policy, the benches).
+
+    `draft_launch_ms`: drafts run as a device's, asynchronous (`VirtualDrafter`): the engine
+    takes them for device drafts (`spec_engine.draft_on_device`), and the top-K's copy to the
+    host waits for the device's draft to end, as on a GPU (on the H200 the drafter call's launch
+    took 0.29 ms at batch 1-2, `bench/step_stages.py`)."""
     cost, clock = load_cost_curve(cost_path), VirtualClock()
     time.perf_counter = clock
-    return VirtualTarget(target, cost, clock), VirtualDrafter(drafter, cost, clock)
+    if draft_launch_ms is not None:
+
+        def on_host(logp, ids, copy=tree_builder_module.topk_on_host):
+            clock.wait_for_device()
+            return copy(logp, ids)
+
+        spec_engine_module.topk_on_host = tree_builder_module.topk_on_host = on_host
+        spec_engine_module.draft_on_device = lambda draft: True
+    return VirtualTarget(target, cost, clock), VirtualDrafter(drafter, cost, clock, draft_launch_ms)

@@ -416,7 +416,7 @@ class SpecEngine:
             self._lose_drafter(error)
             self._cruise_step = None  # the step is a plain one now, recorded as such
             return None
-        self._device_drafts = draft.logp.is_cuda
+        self._device_drafts = draft_on_device(draft)
         return draft
 
     def _drafted(
@@ -431,7 +431,7 @@ class SpecEngine:
         its top-K on the host and its time recorded, from `started` (the call's launch;
         `with_plan`: the plan ran within it)."""
         policy = self.budget_policy
-        if policy is not None and draft.logp.is_cuda:
+        if policy is not None and draft_on_device(draft):
             # The last step's lesson while the drafter's kernels run: the top-K copy waits for
             # them (on the H200 at batch 1 half a millisecond), and the verify, launch-bound
             # there, hid it only in part. A cruising step's too (the cruise before it): learned
@@ -857,6 +857,13 @@ class _CarriedDraft:
 
     requests: list[Request]
     pending: Pending[DraftOutput | None]
+
+
+def draft_on_device(draft: DraftOutput) -> bool:
+    """Whether `draft`'s kernels may still be running when the drafter call returns (a CUDA
+    draft): the engine then learns, and may plan, while they run. `bench/virtual_device.py`
+    replaces it to simulate a device's asynchronous drafter on the CPU."""
+    return draft.logp.is_cuda
 
 
 def _within_graphs(caps: list[int], captured: tuple[int, ...] | None) -> list[int]:

@@ -200,6 +200,8 @@ class AdaptiveBudget:
         self.overhead = StepOverhead()
         self.learning_steps = learning_steps
         self.lesson_share = lesson_share
+        # Whether `drafts_ahead` may say yes at all: a setting so a benchmark can A/B it.
+        self.draft_ahead = True
         self._lesson_ms = 0.0  # EMA: host ms of a node lesson (`learn`), 0 until one is timed
         self._drafted_step_wall_ms = 0.0  # EMA: a drafted step's wall time, 0 until one is timed
         self._priced_ms: float | None = None  # the last observed step's priced parts, measured
@@ -270,7 +272,7 @@ class AdaptiveBudget:
         drafts too. On the H200 `plan` took 0.5-0.8 ms of each decision and prefill step,
         before the draft was launched, at c = 1-2 (`bench/step_stages.py`). Where it does choose
         a plain step, the draft is spent unused (`record_step_ms`'s `draft_unused`)."""
-        return self._ceiling > 0 and not self.gate.probing and self.gate.plain_far
+        return self.draft_ahead and self._ceiling > 0 and not self.gate.probing and self.gate.plain_far
 
     def _plan(self, caps: Sequence[int]) -> int:
         self._learn_cruise()  # before the gate weighs the ratios it teaches
