@@ -375,14 +375,19 @@ class SpecEngine:
         if cruise is not None:
             top_k = min(top_k, cruise.width)
         elif policy is not None:
-            ahead = self._device_drafts and not restoring and policy.drafts_ahead
+            caps = self._adaptive_inputs_of(requests)[1]
+            # Not for a draft that catches up (a newcomer's prompt: a plain choice would spend
+            # it), nor where no request can keep a draft token (the plan can only be plain).
+            ahead = self._device_drafts and not catching_up and policy.drafts_ahead and any(caps)
             started = time.perf_counter()
             draft = self._call_drafter(requests, top_k) if ahead else None
             if ahead and draft is None:
                 return running, None  # the drafter was lost
-            ceiling = policy.plan(self._adaptive_inputs_of(requests)[1], hidden=ahead)
+            ceiling = policy.plan(caps, hidden=ahead)
             if draft is not None and ceiling == 0:  # a plain step after all: the draft goes unused
                 self._draft_unused = True
+                # Its end awaited here, so that the plain verify's time is the verify's alone.
+                topk_on_host(draft.logp[..., :1], draft.ids[..., :1])
                 self._take_contexts(requests, draft)
                 return running, None
             top_k = min(top_k, policy.settled_width or ceiling)

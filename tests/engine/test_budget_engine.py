@@ -16,7 +16,7 @@ import pytest
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import BudgetStep, BuildCost, allocator
-from ddtree_serve.engine.budget.policy import LEARNING_STEPS, PLAIN_CRUISE_STEPS, _Cruise
+from ddtree_serve.engine.budget.policy import AHEAD_DRAFT_LESSONS, LEARNING_STEPS, PLAIN_CRUISE_STEPS, _Cruise
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import StepResidual
 from ddtree_serve.engine.builder import build_draft_step, build_target_step, target_dir
@@ -732,7 +732,8 @@ def test_a_verify_that_raises_leaves_no_hook_on_the_target(make_oracle_engine, p
 def drafts_as_on_a_device(engine: SpecEngine, monkeypatch) -> list[bool]:
     """Every draft of `engine` counts as a device's (its kernels queued when the call returns,
     as a CUDA drafter's), so its adaptive steps may launch a draft before they plan; returns the
-    `hidden` flag of every `plan` from now on, in order."""
+    `hidden` flag of every `plan` from now on, in order (and fails a hidden one whose draft could
+    only go unused or would catch up: every cap 0, or a newcomer's first draft)."""
     call_drafter = engine._call_drafter
 
     def on_device(requests, top_k):
@@ -746,6 +747,9 @@ def drafts_as_on_a_device(engine: SpecEngine, monkeypatch) -> list[bool]:
 
     def recording_plan(caps, hidden=False):
         hidden_flags.append(hidden)
+        if hidden:
+            assert any(caps), "a draft launched ahead where no request can keep a token"
+            assert all(r.steps > 0 for r in engine.scheduler.running), "a newcomer's draft ahead"
         return plan(caps, hidden=hidden)
 
     monkeypatch.setattr(engine.budget_policy, "plan", recording_plan)
@@ -779,6 +783,9 @@ def test_a_draft_launched_before_the_plan_keeps_the_output_and_the_drafters_cont
     assert not hidden[0]  # the first plan has no drafting decision behind it
     if cost == "free_nodes":  # drafting far ahead of plain steps: its decisions run hidden
         assert any(hidden) and 16 in top_ks  # drafts launched ahead take the cap's K
+        # but one in `AHEAD_DRAFT_LESSONS` does not, so the drafter's price is still learned
+        runs = "".join("h" if flag else "." for flag in hidden).split(".")
+        assert max(len(run) for run in runs) <= AHEAD_DRAFT_LESSONS
     else:  # plain steps within `PLAIN_PROBE_MAX_GAIN`: a plain probe may come, nothing ahead
         assert not any(hidden)
 

@@ -121,6 +121,11 @@ an adaptive plain step took 0.27-0.35 ms more than a plain-decoding engine's at 
 (8 ms steps), in `plan`, `observe`, `learn` and `record_step_ms`, which a step whose choice,
 batch and prices stand still repeats to the same end."""
 
+AHEAD_DRAFT_LESSONS = 8
+"""Decisions in a row whose draft is launched ahead of them (`drafts_ahead`) before one is not:
+a draft launched ahead teaches the drafter's cost curve nothing (its time holds the plan's), so
+one decision in this many launches its draft after it and teaches the drafter's price."""
+
 LESSON_WEIGHT = 0.2
 """EMA weight of the node lessons' host milliseconds and of the drafted steps' wall time."""
 
@@ -225,6 +230,7 @@ class AdaptiveBudget:
         self._lesson: _Lesson | None = None  # the last observed step's, until `learn`
         self._catching_up = False  # the step's draft took more context than one step's
         self._draft_with_plan = False  # the step's draft was launched before its plan
+        self._drafts_unpriced = 0  # decisions in a row whose draft was launched ahead
         self._graph_capped = False  # captured verify graphs cut the step below its ceiling
         # A request's end cut some of the step's trees: its tokens say nothing of the ceiling's
         # whole trees, which the gate forecast (`DraftGate.token_residual`).
@@ -271,15 +277,22 @@ class AdaptiveBudget:
         well ahead of a plain step (`DraftGate.plain_far`), so the next decision all but surely
         drafts too. On the H200 `plan` took 0.5-0.8 ms of each decision and prefill step,
         before the draft was launched, at c = 1-2 (`bench/step_stages.py`). Where it does choose
-        a plain step, the draft is spent unused (`record_step_ms`'s `draft_unused`)."""
-        return self.draft_ahead and self._ceiling > 0 and not self.gate.probing and self.gate.plain_far
+        a plain step, the draft is spent unused (`record_step_ms`'s `draft_unused`). One
+        decision in `AHEAD_DRAFT_LESSONS` launches after it, so the drafter's price is learned."""
+        return (
+            self.draft_ahead
+            and self._ceiling > 0
+            and not self.gate.probing
+            and self.gate.plain_far
+            and self._drafts_unpriced < AHEAD_DRAFT_LESSONS
+        )
 
     def _plan(self, caps: Sequence[int]) -> int:
         self._learn_cruise()  # before the gate weighs the ratios it teaches
         self._cruise = None
         self._cap_bucket = batch_bucket(max(caps, default=0))
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
-        self._catching_up = self._graph_capped = self._depth_cut = False
+        self._catching_up = self._graph_capped = self._depth_cut = self._draft_with_plan = False
         if (
             self.gate.curve is None
             or self._num_calibrations < self.learning_steps
@@ -455,6 +468,10 @@ class AdaptiveBudget:
         self._catching_up = catching_up
         self._draft_ms = draft_ms
         self._draft_with_plan = with_plan
+        if with_plan:
+            self._drafts_unpriced += 1
+        elif not catching_up:
+            self._drafts_unpriced = 0
 
     def record_build_ms(self, build_ms: float) -> None:
         """The build stage's milliseconds, `choose` included: the build's price learns them
