@@ -376,9 +376,9 @@ class SpecEngine:
             top_k = min(top_k, cruise.width)
         elif policy is not None:
             caps = self._adaptive_inputs_of(requests)[1]
-            # Not for a draft that catches up (a newcomer's prompt: a plain choice would spend
-            # it), nor where no request can keep a draft token (the plan can only be plain).
-            ahead = self._device_drafts and not catching_up and policy.drafts_ahead and any(caps)
+            # Not for a drafter back from a loss (whole contexts), nor where no request can keep
+            # a draft token (the plan can only be plain).
+            ahead = self._device_drafts and not restoring and policy.drafts_ahead and any(caps)
             started = time.perf_counter()
             draft = self._call_drafter(requests, top_k) if ahead else None
             if ahead and draft is None:
@@ -388,6 +388,8 @@ class SpecEngine:
                 self._draft_unused = True
                 # Its end awaited here, so that the plain verify's time is the verify's alone.
                 topk_on_host(draft.logp[..., :1], draft.ids[..., :1])
+                if catching_up:  # its time is no one step's draft: the step teaches no cost
+                    policy.record_draft_ms(0.0, catching_up=True)
                 self._take_contexts(requests, draft)
                 return running, None
             top_k = min(top_k, policy.settled_width or ceiling)
