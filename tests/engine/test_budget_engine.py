@@ -506,15 +506,47 @@ def test_context_from_plain_steps_reaches_the_drafter(make_pair_config, prompt_i
     assert drafter.mismatches == [] and num_checked > 20
 
 
-def probing_engine(make_pair_config, cost_file: str, num_requests: int) -> tuple[SpecEngine, CheckingDrafter]:
-    """An adaptive engine steered by `cost_file` alone, probing every 3 plain steps, with a
-    drafter that checks its positions against the target's."""
-    config = make_pair_config(mode="ddtree", budget=6, max_num_seqs=num_requests, budget_policy="adaptive")
-    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_file}))
+def checked_engine(
+    make_pair_config, cost_file: str, budget: int, max_num_seqs: int
+) -> tuple[SpecEngine, CheckingDrafter]:
+    """An adaptive engine over the bundled pair steered by `cost_file` alone, with a drafter
+    that checks its positions against the target's."""
+    engine = build_local_engine(
+        make_pair_config(
+            mode="ddtree",
+            budget=budget,
+            max_num_seqs=max_num_seqs,
+            budget_policy="adaptive",
+            cost_curve=cost_file,
+        )
+    )
     steer_by_the_file(engine)
-    engine.budget_policy.gate.probe_interval = 3
     drafter = CheckingDrafter(engine.drafter, engine.target)
     engine.drafter = drafter
+    return engine, drafter
+
+
+def run_checked(
+    engine: SpecEngine, drafter: CheckingDrafter, prompts: list[list[int]], greedy_references
+) -> None:
+    """Runs `engine`'s requests (request `i` for `prompts[i]`) to idle, checking the drafter's
+    context against the target's cache after every step: each output is its prompt's greedy
+    reference and no draft found the two apart."""
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = list(output.token_ids)
+        check_after_step(engine, drafter)
+    for i, prompt in enumerate(prompts):
+        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
+    assert drafter.mismatches == []
+
+
+def probing_engine(make_pair_config, cost_file: str, num_requests: int) -> tuple[SpecEngine, CheckingDrafter]:
+    """`checked_engine` at budget 6, probing every 3 plain steps."""
+    engine, drafter = checked_engine(make_pair_config, cost_file, budget=6, max_num_seqs=num_requests)
+    engine.budget_policy.gate.probe_interval = 3
     return engine, drafter
 
 
@@ -762,23 +794,11 @@ def test_a_draft_launched_before_the_plan_keeps_the_output_and_the_drafters_cont
     """With a device's drafter a step the policy all but surely drafts launches its draft (at
     the widest K) before it plans: the trees cut from it are a best-first tree's prefixes, the
     output stays the plain decoding's and the drafter's context the target's cache."""
-    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
-    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files[cost]}))
-    steer_by_the_file(engine)
-    drafter = CheckingDrafter(engine.drafter, engine.target)
-    engine.drafter = drafter
+    engine, drafter = checked_engine(make_pair_config, cost_files[cost], budget=16, max_num_seqs=3)
     top_ks = recorded_top_ks(drafter)
     hidden = drafts_as_on_a_device(engine, monkeypatch)
     add_greedy_requests(engine, prompt_ids, REFERENCE_TOKENS)
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = list(output.token_ids)
-        check_after_step(engine, drafter)
-    for i, prompt in enumerate(prompt_ids):
-        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
-    assert drafter.mismatches == []
+    run_checked(engine, drafter, prompt_ids, greedy_references)
     assert not hidden[0]  # the first plan has no drafting decision behind it
     if cost == "free_nodes":  # drafting far ahead of plain steps: its decisions run hidden
         assert any(hidden) and 16 in top_ks  # drafts launched ahead take the cap's K
@@ -796,11 +816,7 @@ def test_a_plain_choice_after_a_draft_launched_ahead_leaves_it_unused(
     plainly, the drafter keeps the context it took (the next draft needs no catch-up) and the
     step's time is taught without the drafter call's price (`draft_unused`), or not at all
     where the draft caught up on a newcomer's prompt (no step's cost)."""
-    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, budget_policy="adaptive")
-    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["free_nodes"]}))
-    steer_by_the_file(engine)
-    drafter = CheckingDrafter(engine.drafter, engine.target)
-    engine.drafter = drafter
+    engine, drafter = checked_engine(make_pair_config, cost_files["free_nodes"], budget=16, max_num_seqs=3)
     policy = engine.budget_policy
     plan = policy.plan
     turned: list[bool] = []
@@ -832,14 +848,6 @@ def test_a_plain_choice_after_a_draft_launched_ahead_leaves_it_unused(
     monkeypatch.setattr(policy, "record_step_ms", recording_step_ms)
     waves = [*prompt_ids, *prompt_ids]  # the second wave's requests join as slots free
     add_greedy_requests(engine, waves, REFERENCE_TOKENS)
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = list(output.token_ids)
-        check_after_step(engine, drafter)
-    for i, prompt in enumerate(waves):
-        assert [*prompt, *outputs[str(i)]] == greedy_references[tuple(prompt)]
-    assert drafter.mismatches == []
+    run_checked(engine, drafter, waves, greedy_references)
     assert sum(turned) >= 1 and sum(unused) == sum(turned)
     assert priced == [not caught_up for caught_up in newcomers] and any(newcomers)
