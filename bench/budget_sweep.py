@@ -288,6 +288,14 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
         "returning after this many ms and the top-K's copy waiting for the draft's end "
         "(the H200's launch: 0.29) (default: synchronous drafts)",
     )
+    parser.add_argument(
+        "--virtual-graph-capture-ms",
+        type=float,
+        default=None,
+        help="with --virtual-cost: the target is a CUDA-graphed one's (verifies padded to the graph "
+        "buckets), and the first verify of each graph key takes this many ms more (the H200: "
+        "~18) (default: no graphs)",
+    )
 
 
 def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
@@ -306,7 +314,9 @@ def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
     )
     target, drafter = build_target_step(base), build_draft_step(base)
     if args.virtual_cost is not None:
-        target, drafter = virtualize(target, drafter, args.virtual_cost, args.virtual_draft_launch_ms)
+        target, drafter = virtualize(
+            target, drafter, args.virtual_cost, args.virtual_draft_launch_ms, args.virtual_graph_capture_ms
+        )
     tokenizer = load_tokenizer(target_dir(base))
     if args.prompt_set == "heldout":
         prompts = heldout_prompts(heldout_stream(tokenizer), HELDOUT_PROMPTS, HELDOUT_PROMPT_TOKENS)

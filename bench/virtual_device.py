@@ -12,8 +12,11 @@ keeps its real time on this CPU, and the host work a CUDA target runs while its 
 (`while_verifying`) runs within the forward's time, as it would there. So greedy outputs and
 acceptance are the real pair's and the times are the device's forwards plus this host's Python:
 a simulation of the GPU runs, not a measurement of them. Start-up calibrations time the same
-calls, so an adaptive policy learns the cost file's curve. Verify graphs are not modelled (no
-bucket padding).
+calls, so an adaptive policy learns the cost file's curve. Verify graphs are modelled on request
+(`--virtual-graph-capture-ms`): the target then reports the CUDA-graph tree-token buckets, so
+the engine pads each verify to them as on a GPU, and a verify whose graph key (batch bucket,
+tree-token bucket, cache-row bucket: `models.cuda_graphs.verify_bucket`) is met for the first
+time takes that much longer (a capture: ~18 ms on the H200). Without it no bucket padding.
 
     python bench/budget_sweep.py --virtual-cost bench/costs/bundled_pair_h100_bf16.json \\
         --concurrency 1,2,4,8,16 --max-tokens 64
@@ -34,6 +37,7 @@ from ddtree_serve.engine.interfaces import (
     VerifyInput,
     VerifyOutput,
 )
+from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS, verify_bucket
 
 REAL_PERF_COUNTER = time.perf_counter  # as imported, before any `virtualize`
 
@@ -61,12 +65,19 @@ class VirtualClock:
 
 
 class VirtualTarget:
-    """A target step whose prefills and verifies take the cost file's time on `clock`."""
+    """A target step whose prefills and verifies take the cost file's time on `clock`; with
+    `capture_ms`, a graphed one's: it reports the CUDA-graph tree-token buckets, and the first
+    verify of each graph key takes `capture_ms` more."""
 
-    def __init__(self, inner, cost: CostCurve, clock: VirtualClock) -> None:
-        self.inner, self.cost, self.clock = inner, cost, clock
+    def __init__(self, inner, cost: CostCurve, clock: VirtualClock, capture_ms: float | None = None) -> None:
+        self.inner, self.cost, self.clock, self.capture_ms = inner, cost, clock, capture_ms
         # Set by the engine (an adaptive policy's lessons): run within the verify's time.
         self.while_verifying: Callable[[], None] | None = None
+        self.captured: set[tuple[int, int, int]] = set()  # graph keys met (with `capture_ms`)
+
+    @property
+    def verify_token_buckets(self) -> tuple[int, ...] | None:
+        return None if self.capture_ms is None else TOKEN_BUCKETS
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -88,8 +99,22 @@ class VirtualTarget:
         output = self.inner.verify_and_commit(inputs)
         batch = inputs.batch
         forward_ms = float(self.cost.verify_ms(batch.batch_size, batch.batch_size * batch.padded_num_nodes))
-        self.clock.charge(started, max(forward_ms / 1000.0, hidden))
+        self.clock.charge(started, max(forward_ms / 1000.0, hidden) + self._capture_s(inputs, output))
         return output
+
+    def _capture_s(self, inputs: VerifyInput, output: VerifyOutput) -> float:
+        """Seconds of a graph capture this verify paid (0 without `capture_ms`, or for a key met
+        before); the longest context it read is its slots' cache before the commit."""
+        if self.capture_ms is None:
+            return 0.0
+        committed = (output.accept_len + 1).tolist()
+        max_start = max(n - k for n, k in zip(output.num_cached_tokens, committed, strict=True))
+        batch = inputs.batch
+        key = verify_bucket(batch.batch_size, batch.padded_num_nodes, max_start, self.inner.max_seq_len)
+        if key is None or key in self.captured:
+            return 0.0
+        self.captured.add(key)
+        return self.capture_ms / 1000.0
 
 
 class VirtualDrafter:
@@ -117,7 +142,7 @@ class VirtualDrafter:
 
 
 def virtualize(
-    target, drafter, cost_path: Path, draft_launch_ms: float | None = None
+    target, drafter, cost_path: Path, draft_launch_ms: float | None = None, capture_ms: float | None = None
 ) -> tuple[VirtualTarget, VirtualDrafter]:
     """The pair on the cost file's clock, which from now on is `time.perf_counter` for every
     module that calls it through `time` (the engine, the policy, the benches).
@@ -125,7 +150,9 @@ def virtualize(
     `draft_launch_ms`: drafts run as a device's, asynchronous (`VirtualDrafter`): the engine
     takes them for device drafts (`spec_engine.draft_on_device`), and the top-K's copy to the
     host waits for the device's draft to end, as on a GPU (on the H200 the drafter call's launch
-    took 0.29 ms at batch 1-2, `bench/step_stages.py`)."""
+    took 0.29 ms at batch 1-2, `bench/step_stages.py`).
+    `capture_ms`: the target is a graphed one's, each first verify of a graph key that much
+    longer (`VirtualTarget`)."""
     cost, clock = load_cost_curve(cost_path), VirtualClock()
     time.perf_counter = clock
     if draft_launch_ms is not None:
@@ -136,4 +163,5 @@ def virtualize(
 
         spec_engine_module.topk_on_host = tree_builder_module.topk_on_host = on_host
         spec_engine_module.draft_on_device = lambda draft: True
-    return VirtualTarget(target, cost, clock), VirtualDrafter(drafter, cost, clock, draft_launch_ms)
+    virtual_target = VirtualTarget(target, cost, clock, capture_ms)
+    return virtual_target, VirtualDrafter(drafter, cost, clock, draft_launch_ms)
