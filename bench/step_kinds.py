@@ -27,9 +27,9 @@ plain steps (cruising `c`, deciding `d`) and its probes read against `ar`'s own.
 
 `--variant SETTINGS` (repeatable) adds an adaptive engine whose draft gate is built with other
 settings (`DraftGate`'s: `probe_interval`, `curve_weight`, `probe_share`, `near_best_ms`,
-`near_tie_rate`, `tail_steps`, `recheck_steps`, `curve_trees`), beside the default one, in the
-same rounds: an A/B of a setting on one device in one process, e.g. the band's step-time
-tolerance at c = 8:
+`small_batch_near_best_ms`, `near_tie_rate`, `tail_steps`, `recheck_steps`, `curve_trees`),
+beside the default one, in the same rounds: an A/B of a setting on one device in one process,
+e.g. the band's step-time tolerance at c = 8:
 
     python bench/step_kinds.py --device cuda --dtype bfloat16 --concurrency 8 --budgets 8,32,64 \\
         --variant near_best_ms=0.08 --variant near_best_ms=0.10

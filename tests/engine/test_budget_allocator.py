@@ -345,20 +345,25 @@ def test_where_width_is_nearly_free_the_widest_ceiling_near_the_best_rate_is_tak
 
 
 def choice_among_16_32_64(
-    monkeypatch, gate: DraftGate, share_of_32: float, extra_ms_share: float, measured: bool = True
+    monkeypatch,
+    gate: DraftGate,
+    share_of_32: float,
+    extra_ms_share: float,
+    measured: bool = True,
+    batch_size: int = 8,
 ) -> int:
-    """The ceiling `gate` takes at batch 8 with its candidates' prices stubbed: 16 at 75% of
+    """The ceiling `gate` takes at `batch_size` with its candidates' prices stubbed: 16 at 75% of
     32's predicted rate, 64 at `share_of_32` of it, 64's step measured `extra_ms_share` dearer
     than 32's, and 64's own steps measured it when `measured` (else its ratio is borrowed)."""
     cost = linear_curve(fixed_ms=4.0, per_token_ms=0.0, draft_ms=1.0)
     record_curve(gate, CONFIDENT)
     if measured:
-        gate.residual.observe(8, 64, predicted_ms=5.0, measured_ms=5.0)
-    rates = np.array([1.5, 2.0, 2.0 * share_of_32]) * plain_decode_rate(8, cost)
+        gate.residual.observe(batch_size, 64, predicted_ms=5.0, measured_ms=5.0)
+    rates = np.array([1.5, 2.0, 2.0 * share_of_32]) * plain_decode_rate(batch_size, cost)
     measured_ms = np.array([5.0, 5.0, 5.0 * (1.0 + extra_ms_share)])
     stub = ([16, 32, 64], rates, np.full(3, 5.0), np.full(3, 30.0), measured_ms)
     monkeypatch.setattr(gate, "_drafted_ceilings", lambda *args: stub)
-    return gate.ceiling([64] * 8, cost, FREE_BUILD, "padded")
+    return gate.ceiling([64] * batch_size, cost, FREE_BUILD, "padded")
 
 
 def test_the_band_takes_a_wider_ceiling_only_at_a_few_percent_more_step_time(monkeypatch):
@@ -376,6 +381,24 @@ def test_the_band_takes_a_wider_ceiling_only_at_a_few_percent_more_step_time(mon
     assert (choice(0.08, near_best_ms=0.10), choice(0.03, near_best_ms=0.0)) == (64, 32)
     with pytest.raises(ValueError, match="near_best_ms"):
         DraftGate(near_best_ms=-0.01)
+
+
+def test_at_batch_one_or_two_the_band_allows_a_dearer_wider_step(monkeypatch):
+    """At batch 1-2 a closed run has no tail for a wider tree to stretch, and on the GPUs 64's
+    step is 3-8% over 32's there: the band's step-time tolerance is `SMALL_BATCH_NEAR_BEST_MS`
+    (10%). 64 at 97% of 32's rate, its step 8% dearer, is taken at batch 1 and 2, not at batch
+    3 or 8 (`NEAR_BEST_MS`), nor at batch 1 where its step is 12% dearer or the small-batch
+    tolerance is set to 5%."""
+
+    def choice(batch_size: int, extra_ms_share: float = 0.08, small_batch_near_best_ms: float = 0.10) -> int:
+        gate = DraftGate(probe_interval=1024, small_batch_near_best_ms=small_batch_near_best_ms)
+        return choice_among_16_32_64(monkeypatch, gate, 0.97, extra_ms_share, batch_size=batch_size)
+
+    assert draft_gate.SMALL_BATCH_NEAR_BEST_MS == 0.10 and draft_gate.SMALL_BATCH == 2
+    assert [choice(b) for b in (1, 2, 3, 8)] == [64, 64, 32, 32]
+    assert (choice(1, extra_ms_share=0.12), choice(1, small_batch_near_best_ms=0.05)) == (32, 32)
+    with pytest.raises(ValueError, match="small_batch_near_best_ms"):
+        DraftGate(small_batch_near_best_ms=-0.01)
 
 
 def test_a_wider_ceiling_tied_with_the_best_rate_is_taken_at_any_step_time(monkeypatch):
