@@ -79,12 +79,15 @@ def run(
     wave's lengths staggered); a step that prefills a request joining (`p`) is its own kind."""
     load = SlotLoad(engine, prompts, concurrency, max_tokens, tag, requests_per_slot)
     num_tokens, kinds, joined = 0, [], True
-    started = time.perf_counter()
+    # The run's time is its steps' and refills' only: the bookkeeping below reads the policy's
+    # step record, which an adaptive engine makes when read (`AdaptiveBudget.last_step`).
+    seconds = 0.0
     while engine.has_unfinished_requests():
         batch_size = engine.num_running
         step_started = time.perf_counter()
         outputs = engine.step()
-        ms = 1000.0 * (time.perf_counter() - step_started)
+        step_ended = time.perf_counter()
+        ms = 1000.0 * (step_ended - step_started)
         made = sum(out.num_new_tokens for out in outputs)
         num_tokens += made
         policy = engine.budget_policy
@@ -105,8 +108,10 @@ def run(
             totals = by_bucket.setdefault((batch_bucket(batch_size), ceiling), [0.0, 0.0, 0.0])
             for i, value in enumerate((1, made, ms)):
                 totals[i] += value
+        refill_started = time.perf_counter()
         joined = load.refill(outputs) > 0
-    return num_tokens / (time.perf_counter() - started), "".join(kinds)
+        seconds += step_ended - step_started + time.perf_counter() - refill_started
+    return num_tokens / seconds, "".join(kinds)
 
 
 def buckets_line(by_bucket: BucketSteps) -> str:
