@@ -87,7 +87,9 @@ def build_engines(
     )
     target, drafter = build_target_step(base), build_draft_step(base)
     if args.virtual_cost is not None:
-        target, drafter = virtualize(target, drafter, args.virtual_cost)
+        target, drafter = virtualize(
+            target, drafter, args.virtual_cost, args.virtual_draft_launch_ms, args.virtual_graph_capture_ms
+        )
     tokenizer = load_tokenizer(target_dir(base))
     adaptive = base.model_copy(update={"budget_policy": "adaptive"}).to_settings()
     engines = {"adaptive": SpecEngine(adaptive, target, drafter, tokenizer)}
@@ -268,6 +270,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="a device's cost file: the forwards take its times on every timer's clock "
         "(`virtual_device.py`; a simulation of that device's stages, with this host's work)",
+    )
+    parser.add_argument(
+        "--virtual-draft-launch-ms",
+        type=float,
+        default=None,
+        help="with --virtual-cost: drafts run asynchronously, as a device's, the drafter call "
+        "returning after this many ms (the H200's launch: 0.29; default: synchronous drafts)",
+    )
+    parser.add_argument(
+        "--virtual-graph-capture-ms",
+        type=float,
+        default=None,
+        help="with --virtual-cost: verifies padded to the CUDA-graph buckets, each graph key's "
+        "first verify this many ms longer (the H200: ~18; default: no graphs)",
     )
     parser.add_argument("--warmup-runs", type=int, default=2, help="untimed runs per engine and concurrency")
     parser.add_argument("--runs", type=int, default=4, help="timed runs per engine and concurrency")
