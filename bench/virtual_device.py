@@ -16,7 +16,10 @@ calls, so an adaptive policy learns the cost file's curve. Verify graphs are mod
 (`--virtual-graph-capture-ms`): the target then reports the CUDA-graph tree-token buckets, so
 the engine pads each verify to them as on a GPU, and a verify whose graph key (batch bucket,
 tree-token bucket, cache-row bucket: `models.cuda_graphs.verify_bucket`) is met for the first
-time takes that much longer (a capture: ~18 ms on the H200). Without it no bucket padding.
+time takes that much longer (a capture: ~18 ms on the H200); every graphed verify, a fixed
+budget's too, is priced at its bucket's padded batch and tree tokens, as the GPU runs it.
+Prefills are priced unpadded and capture nothing (on a GPU they run the verify graphs too:
+mostly warm-up time here). Without it no bucket padding.
 
     python bench/budget_sweep.py --virtual-cost bench/costs/bundled_pair_h100_bf16.json \\
         --concurrency 1,2,4,8,16 --max-tokens 64
@@ -98,23 +101,27 @@ class VirtualTarget:
         hidden = self.clock.real() - started
         output = self.inner.verify_and_commit(inputs)
         batch = inputs.batch
-        forward_ms = float(self.cost.verify_ms(batch.batch_size, batch.batch_size * batch.padded_num_nodes))
-        self.clock.charge(started, max(forward_ms / 1000.0, hidden) + self._capture_s(inputs, output))
+        batch_size, num_nodes, capture_ms = batch.batch_size, batch.padded_num_nodes, 0.0
+        key = self._graph_key(inputs, output)
+        if key is not None:  # a graphed verify runs its bucket's padded shape
+            batch_size, num_nodes = key[0], key[1]
+            if key not in self.captured:
+                self.captured.add(key)
+                capture_ms = self.capture_ms or 0.0
+        forward_ms = float(self.cost.verify_ms(batch_size, batch_size * num_nodes))
+        self.clock.charge(started, max(forward_ms / 1000.0, hidden) + capture_ms / 1000.0)
         return output
 
-    def _capture_s(self, inputs: VerifyInput, output: VerifyOutput) -> float:
-        """Seconds of a graph capture this verify paid (0 without `capture_ms`, or for a key met
-        before); the longest context it read is its slots' cache before the commit."""
+    def _graph_key(self, inputs: VerifyInput, output: VerifyOutput) -> tuple[int, int, int] | None:
+        """The graph this verify ran (`models.cuda_graphs.verify_bucket`; None without
+        `capture_ms`, or eager); the longest context it read is its slots' cache before the
+        commit, which adds each request's root and accepted nodes."""
         if self.capture_ms is None:
-            return 0.0
+            return None
         committed = (output.accept_len + 1).tolist()
         max_start = max(n - k for n, k in zip(output.num_cached_tokens, committed, strict=True))
         batch = inputs.batch
-        key = verify_bucket(batch.batch_size, batch.padded_num_nodes, max_start, self.inner.max_seq_len)
-        if key is None or key in self.captured:
-            return 0.0
-        self.captured.add(key)
-        return self.capture_ms / 1000.0
+        return verify_bucket(batch.batch_size, batch.padded_num_nodes, max_start, self.inner.max_seq_len)
 
 
 class VirtualDrafter:

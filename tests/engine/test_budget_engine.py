@@ -350,7 +350,9 @@ def test_a_drafting_streak_holds_while_its_batch_drains(make_pair_config, prompt
     policy = engine.budget_policy
     policy.lesson_share = 0.0  # node lessons are dear: settled steps arm cruises
     policy.cost.ema_weight = 0.0  # the file's prices hold: this machine's timings end no streak
-    lengths = (36, 57, 96)  # each drain lands inside a held streak, between its probes
+    # Each drain lands inside a held streak, between its probes, and a cruise meets a request's
+    # last token at batch 2 (lengths tuned to the gate's choices on this pair and cost file).
+    lengths = (36, 57, 96)
     add_greedy_requests(engine, prompt_ids, lengths)
     outputs: dict[str, list[int]] = {}
     batches: list[int] = []

@@ -126,10 +126,11 @@ that cannot win there (it would need 2.5x the tokens a step)."""
 
 
 NEAR_BEST_RATE = 0.05
-"""The drafting choice is the widest ceiling predicted within this share of the best rate whose
-step is measured at most `NEAR_BEST_MS` dearer. A wider tree's prefixes are the narrower
-trees, so its steps teach every narrower ceiling's tokens on the same text; a narrower choice
-sees past itself only at its wider probes, one step in 32, and prices them below their worth:
+"""The drafting choice is the widest ceiling predicted within this share of the best rate whose step
+is measured at most `NEAR_BEST_MS` dearer (`SMALL_BATCH_NEAR_BEST_MS` at batch 1-2). A wider tree's
+prefixes are the narrower trees, so its steps teach every narrower ceiling's tokens on the same
+text; a narrower choice sees past itself only at its wider probes, one step in 32, and prices them
+below their worth:
 - at batch 1 the nodes past 32 gain a token in a few steps of many, so the probes mostly see
   none (an H100 closed sweep at c = 1 forecast them 0.15 tokens a step where fixed-64 made 0.54
   over fixed-32);
@@ -144,14 +145,13 @@ to 0.93 (four paired sweeps; c = 2-4 and continuous c = 1-4 even: `budget_sweep_
 NEAR_BEST_MS = 0.05
 """... a share of the best candidate's measured step time (`NEAR_BEST_RATE`; at batch 1-2
 `SMALL_BATCH_NEAR_BEST_MS`): on the H100 the probed 64 measured 3-8% over 32 at batch 1-2
-(fixed-64's steps: 4-6%). At batch 5-8 it is
-7-12% over 32 on the H100 and the H200, and with 256-token requests its steps made 2-3% more
-tokens: at 0.10 the band took 64 where 32 made 4-10% more tokens a millisecond, for whole runs.
-At 0.05, paired in one process on an H200, closed c = 8 rose from 0.78 to 0.95 of fixed-32 at
-256 tokens and from 0.91 to 0.95 at 64, and c = 1-4 held within 0.01 (0.974, 0.966, 0.973
-against 0.984, 0.965, 0.977; `budget_sweep_h200.md`, thirty-eighth session). Where width is dear
-(the CI CPU, where 64's step is 1.2x 32's at batch 1, and 32's 1.16x 8's) the narrower choice
-stands: there a wider step's extra time is what the rates compare.
+(fixed-64's steps: 4-6%). At batch 5-8 it is 7-12% over 32 on the H100 and the H200, and with
+256-token requests its steps made 2-3% more tokens: at 0.10 the band took 64 where 32 made 4-10%
+more tokens a millisecond, for whole runs. At 0.05, paired in one process on an H200, closed c = 8
+rose from 0.78 to 0.95 of fixed-32 at 256 tokens and from 0.91 to 0.95 at 64, and c = 1-4 held
+within 0.01 (0.974, 0.966, 0.973 against 0.984, 0.965, 0.977; `budget_sweep_h200.md`, thirty-eighth
+session). Where width is dear (the CI CPU, where 64's step is 1.2x 32's at batch 1, and 32's 1.16x
+8's) the narrower choice stands: there a wider step's extra time is what the rates compare.
 
 Only a ceiling whose own steps at the batch bucket taught its step-time ratio is measured so. One
 never taken reads the nearest taken ceiling's ratio: its step is then the models' relative
@@ -246,7 +246,8 @@ class DraftGate:
     ) -> None:
         """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone).
         `near_best_ms`: see `NEAR_BEST_MS` (0: a wider ceiling than the best only at no more
-        measured step time); a setting so a benchmark can A/B it on one device.
+        measured step time, at batches above `SMALL_BATCH`); a setting so a benchmark can A/B it
+        on one device.
         `small_batch_near_best_ms`: the same at batches of at most `SMALL_BATCH` requests
         (`SMALL_BATCH_NEAR_BEST_MS`).
         `near_tie_rate`: see `NEAR_TIE_RATE` (0: ties go to the best rate alone); a setting so a
@@ -856,7 +857,7 @@ def _widest_near_best(
     """The index of the drafting choice among the candidates: the best predicted rate (the
     narrowest of equal ones), or the widest candidate above `plain_rate` that its own steps
     measured (`own_steps`) and that is within `NEAR_BEST_RATE` of it with a step at most
-    `near_best_ms` (a share, `NEAR_BEST_MS` by default) dearer as measured, or within
+    `near_best_ms` (a share: `DraftGate._near_best_ms`) dearer as measured, or within
     `near_tie_rate` (`NEAR_TIE_RATE`) of it at any step time."""
     pick = int(np.argmax(rates))
     cheap_enough = (rates >= (1.0 - NEAR_BEST_RATE) * rates[pick]) & (
