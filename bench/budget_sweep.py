@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from acceptance import heldout_prompts, heldout_stream  # the held-out text's windows
-from virtual_device import virtualize
+from virtual_device import add_virtual_arguments, virtualize_from_args
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import AdaptiveBudget, BudgetStep, BuildCost, CostCurve, load_cost_curve
@@ -273,29 +273,7 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
         "standard library (this interpreter's), each sweep round taking the next ones "
         "(default: %(default)s)",
     )
-    parser.add_argument(
-        "--virtual-cost",
-        type=Path,
-        default=None,
-        help="a device's cost file: the real pair runs here, each forward taking the file's time "
-        "on the clock every timer reads (`virtual_device.py`; a simulation of that device)",
-    )
-    parser.add_argument(
-        "--virtual-draft-launch-ms",
-        type=float,
-        default=None,
-        help="with --virtual-cost: drafts run asynchronously, as a device's, the drafter call "
-        "returning after this many ms and the top-K's copy waiting for the draft's end "
-        "(the H200's launch: 0.29) (default: synchronous drafts)",
-    )
-    parser.add_argument(
-        "--virtual-graph-capture-ms",
-        type=float,
-        default=None,
-        help="with --virtual-cost: the target is a CUDA-graphed one's (verifies padded to the graph "
-        "buckets), and the first verify of each graph key takes this many ms more (the H200: "
-        "~18) (default: no graphs)",
-    )
+    add_virtual_arguments(parser)
 
 
 def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
@@ -313,10 +291,7 @@ def live_pair(args: argparse.Namespace, budget: int, max_num_seqs: int):
         max_num_batched_tokens=1 << 20,
     )
     target, drafter = build_target_step(base), build_draft_step(base)
-    if args.virtual_cost is not None:
-        target, drafter = virtualize(
-            target, drafter, args.virtual_cost, args.virtual_draft_launch_ms, args.virtual_graph_capture_ms
-        )
+    target, drafter = virtualize_from_args(target, drafter, args)
     tokenizer = load_tokenizer(target_dir(base))
     if args.prompt_set == "heldout":
         prompts = heldout_prompts(heldout_stream(tokenizer), HELDOUT_PROMPTS, HELDOUT_PROMPT_TOKENS)

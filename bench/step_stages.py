@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from budget_sweep import PROMPTS  # the sweep's prompts: the same load
-from virtual_device import virtualize
+from virtual_device import add_virtual_arguments, virtualize_from_args
 
 import ddtree_serve.engine.spec_engine as spec_engine_module
 import ddtree_serve.engine.tree_builder as tree_builder_module
@@ -86,10 +86,7 @@ def build_engines(
         max_num_batched_tokens=1 << 20,
     )
     target, drafter = build_target_step(base), build_draft_step(base)
-    if args.virtual_cost is not None:
-        target, drafter = virtualize(
-            target, drafter, args.virtual_cost, args.virtual_draft_launch_ms, args.virtual_graph_capture_ms
-        )
+    target, drafter = virtualize_from_args(target, drafter, args)
     tokenizer = load_tokenizer(target_dir(base))
     adaptive = base.model_copy(update={"budget_policy": "adaptive"}).to_settings()
     engines = {"adaptive": SpecEngine(adaptive, target, drafter, tokenizer)}
@@ -264,27 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--max-seq-len", type=int, default=1024)
-    parser.add_argument(
-        "--virtual-cost",
-        type=Path,
-        default=None,
-        help="a device's cost file: the forwards take its times on every timer's clock "
-        "(`virtual_device.py`; a simulation of that device's stages, with this host's work)",
-    )
-    parser.add_argument(
-        "--virtual-draft-launch-ms",
-        type=float,
-        default=None,
-        help="with --virtual-cost: drafts run asynchronously, as a device's, the drafter call "
-        "returning after this many ms (the H200's launch: 0.29; default: synchronous drafts)",
-    )
-    parser.add_argument(
-        "--virtual-graph-capture-ms",
-        type=float,
-        default=None,
-        help="with --virtual-cost: verifies padded to the CUDA-graph buckets, each graph key's "
-        "first verify this many ms longer (the H200: ~18; default: no graphs)",
-    )
+    add_virtual_arguments(parser)
     parser.add_argument("--warmup-runs", type=int, default=2, help="untimed runs per engine and concurrency")
     parser.add_argument("--runs", type=int, default=4, help="timed runs per engine and concurrency")
     parser.add_argument(

@@ -25,6 +25,7 @@ mostly warm-up time here). Without it no bucket padding.
         --concurrency 1,2,4,8,16 --max-tokens 64
 """
 
+import argparse
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,3 +173,42 @@ def virtualize(
         spec_engine_module.draft_on_device = lambda draft: True
     virtual_target = VirtualTarget(target, cost, clock, capture_ms)
     return virtual_target, VirtualDrafter(drafter, cost, clock, draft_launch_ms)
+
+
+def add_virtual_arguments(parser: argparse.ArgumentParser) -> None:
+    """The virtual device's options (`virtualize_from_args` reads them), for every bench that runs
+    the pair on a cost file's clock."""
+    parser.add_argument(
+        "--virtual-cost",
+        type=Path,
+        default=None,
+        help="a device's cost file: the real pair runs here, each forward taking the file's time "
+        "on the clock every timer reads (`virtual_device.py`; a simulation of that device, with "
+        "this host's work)",
+    )
+    parser.add_argument(
+        "--virtual-draft-launch-ms",
+        type=float,
+        default=None,
+        help="with --virtual-cost: drafts run asynchronously, as a device's, the drafter call "
+        "returning after this many ms and the top-K's copy waiting for the draft's end "
+        "(the H200's launch: 0.29) (default: synchronous drafts)",
+    )
+    parser.add_argument(
+        "--virtual-graph-capture-ms",
+        type=float,
+        default=None,
+        help="with --virtual-cost: the target is a CUDA-graphed one's (verifies padded to the graph "
+        "buckets), and the first verify of each graph key takes this many ms more (the H200: "
+        "~18) (default: no graphs)",
+    )
+
+
+def virtualize_from_args(target, drafter, args: argparse.Namespace):
+    """The pair as `add_virtual_arguments`' options say: on the cost file's clock
+    (`virtualize`) when `--virtual-cost` is given, else as it is."""
+    if args.virtual_cost is None:
+        return target, drafter
+    return virtualize(
+        target, drafter, args.virtual_cost, args.virtual_draft_launch_ms, args.virtual_graph_capture_ms
+    )
