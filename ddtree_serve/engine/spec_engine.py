@@ -438,7 +438,7 @@ class SpecEngine:
         its top-K on the host and its time recorded, from `started` (the call's launch;
         `with_plan`: the plan ran within it)."""
         policy = self.budget_policy
-        if policy is not None and draft_on_device(draft):
+        if policy is not None and self._device_drafts:  # `_call_drafter`'s word on this draft
             # The last step's lesson while the drafter's kernels run: the top-K copy waits for
             # them (on the H200 at batch 1 half a millisecond), and the verify, launch-bound
             # there, hid it only in part. A cruising step's too (the cruise before it): learned
