@@ -32,16 +32,22 @@ class VerifyGraphShapes:
         # gathered again by every step's lookup).
         self._buckets_of_batch: dict[int, tuple[int, ...]] = {}
 
-    def record(self, batch_size: int, num_nodes: int, max_start: int) -> None:
-        """A verify of `batch_size` trees padded to `num_nodes` nodes ran at `max_start`."""
+    def record(self, batch_size: int, num_nodes: int, max_start: int) -> bool:
+        """A verify of `batch_size` trees padded to `num_nodes` nodes ran at `max_start`; True
+        when its graph is new (the target captures it in that verify, whose time is then the
+        capture's: ~18 ms on the H200 against a 1.5 ms forward)."""
         key = verify_bucket(batch_size, num_nodes, max_start, self.max_seq_len)
         if key is None:
-            return
+            return False
         padded_batch, padded_nodes, num_rows = key
-        self._captured.setdefault(padded_batch, {}).setdefault(num_rows, set()).add(padded_nodes)
+        captured = self._captured.setdefault(padded_batch, {}).setdefault(num_rows, set())
+        if padded_nodes in captured:
+            return False
+        captured.add(padded_nodes)
         buckets = self._buckets_of_batch.get(padded_batch, ())
         if padded_nodes not in buckets:
             self._buckets_of_batch[padded_batch] = tuple(sorted((*buckets, padded_nodes)))
+        return True
 
     def record_all(self, shapes: Iterable[tuple[int, int]], max_start: int) -> None:
         """Verifies of each `(batch_size, num_nodes)` of `shapes` ran at `max_start` (a start-up

@@ -179,6 +179,9 @@ class SpecEngine:
         # may launch its draft before it plans (`_draft`).
         self._device_drafts = False
         self._draft_unused = False  # this step's draft, launched before its plan, went unused
+        # This step's verify met a graph key first: the target captured it, and the policy
+        # learns no price from its time (`AdaptiveBudget.record_verify_ms`).
+        self._verify_captures = False
 
     def _warm_up_graphs(self, token_buckets: tuple[int, ...]) -> None:
         """Capture the graphs every step shape meets (`graph_warmup`); an adaptive policy learns
@@ -714,14 +717,17 @@ class SpecEngine:
         if policy is not None:
             # On CUDA this includes the lesson where it outlasts the device's work (most at
             # small batches): the cost curve's verify price carries that much of it.
-            policy.record_verify_ms(1000.0 * (time.perf_counter() - started))
+            verify_ms = 1000.0 * (time.perf_counter() - started)
+            policy.record_verify_ms(verify_ms, captured_graph=self._verify_captures)
         return verdict
 
     def _verify_input(self, requests: list[Request], trees: BuiltTrees) -> VerifyInput:
         """The verify call of `requests`: their trees, sampling knobs and coins."""
+        self._verify_captures = False
         if self.graph_shapes is not None:
             max_start = max(r.num_cached_tokens for r in requests)
-            self.graph_shapes.record(len(requests), trees.batch.padded_num_nodes, max_start)
+            num_nodes = trees.batch.padded_num_nodes
+            self._verify_captures = self.graph_shapes.record(len(requests), num_nodes, max_start)
         sampling = _sampling_batch([r.params for r in requests], self.vocab_size)
         coins = coin_final = None
         if not sampling.all_greedy:

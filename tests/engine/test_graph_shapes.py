@@ -194,3 +194,66 @@ def test_an_engine_given_a_policy_keeps_to_the_graphs_its_target_captured(
     drafted = {(batch, width, rows) for batch, width, rows in target.keys if width > 1}
     again = {key for key in drafted if (key[0], key[2]) in known}
     assert again and again <= captured
+
+
+def test_a_graph_key_is_new_once():
+    shapes = VerifyGraphShapes(TOKEN_BUCKETS, max_seq_len=1024)
+    assert shapes.record(2, 33, max_start=8)
+    assert not shapes.record(2, 33, max_start=100)  # the same graph: batch 2, 33 nodes, 256 rows
+    assert shapes.record(2, 20, max_start=100)  # the 32-node bucket's
+    assert shapes.record(2, 33, max_start=240)  # 240 + 33 reads the 512-row bucket: a new graph
+    assert not shapes.record(300, 33, max_start=8)  # no batch bucket: eager, nothing captured
+
+
+def test_a_verify_that_captured_its_graph_teaches_no_cost():
+    """A capture's ~18 ms verify, clamped as an outlier, still raised its cell of the cost curve
+    by 30%, and the allocator then kept off that cell, so its price stayed: the step teaches
+    neither the curve (nor its drift), nor the step overhead, nor its ceiling's ratio."""
+    for captured_graph in (False, True):
+        policy, tree, ceiling = confident_policy()
+        before = policy.cost.grid_ms.copy()
+        allocation = policy.choose(tree, [32])
+        policy.record_verify_ms(18.0, captured_graph=captured_graph)
+        policy.observe(tree.prefix(allocation.num_nodes), [[]])
+        policy.record_step_ms(20.0)
+        policy.learn()
+        taught = not captured_graph
+        assert (not np.array_equal(policy.cost.grid_ms, before)) == taught
+        assert (policy.cost.drift != 1.0) == taught
+        assert (policy.overhead.drafted_ms != 0.0) == taught
+        assert (policy.gate.residual.ratio(1, ceiling) != 1.0) == taught
+
+
+def test_the_engine_tells_the_policy_which_verifies_captured(
+    make_pair_config, prompt_ids, pair_tokenizer, tmp_path
+):
+    """Exactly the steps whose verify met its graph key first (not captured at start-up, nor by
+    an earlier step) are reported as captures: past the 256 cache rows every width is new."""
+    config = make_pair_config(mode="ddtree", budget=16, max_num_seqs=3, max_seq_len=1024)
+    target = GraphedTarget(build_target_step(config))
+    moderate = tmp_path / "moderate.json"  # nodes priced so the allocator's widths vary (8-17)
+    moderate.write_text(json.dumps({"tokens": [1, 64], "ms": [10.0, 30.0], "draft_ms": 1.0}))
+    adaptive_config = config.model_copy(update={"budget_policy": "adaptive", "cost_curve": str(moderate)})
+    engine = SpecEngine(adaptive_config.to_settings(), target, build_draft_step(config), pair_tokenizer)
+    seen = set(target.keys)  # the start-up capture's (`graph_warmup`)
+    target.keys.clear()
+    steer_by_the_file(engine)
+    policy = engine.budget_policy
+    reported: list[bool] = []
+    record_verify_ms = policy.record_verify_ms
+
+    def recording(verify_ms: float, captured_graph: bool = False) -> None:
+        reported.append(captured_graph)
+        record_verify_ms(verify_ms, captured_graph)
+
+    policy.record_verify_ms = recording
+    params = SamplingParams(max_tokens=260, ignore_eos=True)
+    for i, prompt in enumerate(prompt_ids):
+        engine.add_request(str(i), prompt, params)
+    run_to_completion(engine)
+    expected = []
+    for key in target.keys:
+        expected.append(key is not None and key not in seen)
+        seen.add(key)
+    assert reported == expected
+    assert any(expected) and not all(expected)

@@ -8,7 +8,7 @@ One step calls, in pipeline order (the policy holds the step's figures in betwee
                                   run (`graph_shapes.py`) -> draft nodes per request (a
                                   `settled` step's: the last weighing's width, unweighed)
     record_build_ms(ms)           after the build stage (trees, choice, verify buffers)
-    record_verify_ms(ms)          after the verify call
+    record_verify_ms(ms, captured_graph)  after the verify call (a capture's teaches no cost)
     observe(trees, accepted, n)   the verified trees (padded to n nodes) and their accepted nodes: the step's
                                   `BudgetStep` record (what it teaches waits for `learn`)
     record_step_ms(ms)            the whole step's wall time: what its priced parts left out
@@ -232,6 +232,7 @@ class AdaptiveBudget:
         self._draft_with_plan = False  # the step's draft was launched before its plan
         self._drafts_unpriced = 0  # decisions in a row whose draft was launched ahead
         self._graph_capped = False  # captured verify graphs cut the step below its ceiling
+        self._captured_graph = False  # the step's verify captured its graph (`record_verify_ms`)
         # A request's end cut some of the step's trees: its tokens say nothing of the ceiling's
         # whole trees, which the gate forecast (`DraftGate.token_residual`).
         self._depth_cut = False
@@ -293,6 +294,7 @@ class AdaptiveBudget:
         self._cap_bucket = batch_bucket(max(caps, default=0))
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
         self._catching_up = self._graph_capped = self._depth_cut = self._draft_with_plan = False
+        self._captured_graph = False
         if (
             self.gate.curve is None
             or self._num_calibrations < self.learning_steps
@@ -478,8 +480,18 @@ class AdaptiveBudget:
         without the choice (module docstring: deciding time)."""
         self._build_ms = max(build_ms - self._choose_ms, 0.0)
 
-    def record_verify_ms(self, verify_ms: float) -> None:
-        self._verify_ms = verify_ms
+    def record_verify_ms(self, verify_ms: float, captured_graph: bool = False) -> None:
+        """The verify call's milliseconds. `captured_graph`: the target captured the call's
+        CUDA graph in it (a graph key met first, `VerifyGraphShapes.record`), so neither its
+        time nor its step's teaches a cost (the cost curve, the drift, the step overhead, the
+        ceiling's ratio). Clamped as an outlier, a capture still moved its cell of the cost
+        curve by 30% (and the drift by 5%), and a cell the allocator then avoids keeps that
+        price: simulated (`bench/virtual_device.py`, the H100's costs, 18 ms captures), 256-token
+        runs at c = 1-2 left the cells of the first widths verified past the 256 cache rows
+        (33 tokens at batch 1, 66 at batch 2) 29-30% over their start-up price, and none moved
+        by more than 12% with this rule."""
+        self._captured_graph = captured_graph
+        self._verify_ms = None if captured_graph else verify_ms
 
     def choose(
         self,
@@ -685,10 +697,10 @@ class AdaptiveBudget:
                     self._ceiling, self._weighed[1], batch_bucket(batch_size), self._cap_bucket, ahead
                 )
         self._priced_ms = None
-        if not self._catching_up:
+        if not self._catching_up and not self._captured_graph:
             self._priced_ms = sum(ms for ms in (self._draft_ms, self._build_ms, self._verify_ms) if ms)
         self._draft_ms = self._build_ms = self._verify_ms = self._allocation = None
-        self._catching_up = False
+        self._catching_up = self._captured_graph = False
         return self.last_step
 
     def _tokens_within(self, step: BudgetStep) -> dict[int, int]:
