@@ -11,6 +11,11 @@ binaries far tighter than a wheel's zip).
     python bench/gpu_site.py
     # on the GPU machine, with carry [".gpu-wheels/site.tar.xz"]:
     mkdir -p /tmp/site && tar -xJf .gpu-wheels/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site
+
+The tracked tree has grown to ~29 MiB, so the whole stack and the tree no longer fit one call.
+The in-process benchmarks (`budget_sweep.py`, `step_kinds.py`, `step_stages.py`, ...) import
+the engine only, which needs nothing past the image but pydantic: `--engine-only` packs that
+set as `.gpu-wheels/site_engine.tar.xz` (~2 MiB), unpacked the same way.
 """
 
 import argparse
@@ -48,6 +53,8 @@ PACKAGES = [
     "protobuf",
     "importlib-metadata",
 ]
+# What the engine alone imports that the GPU image does not have (`--engine-only`).
+ENGINE_PACKAGES = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
 # Parts of the unpacked set that a Python-only Serve deployment never reads.
 DROPPED_DIRS = ("ray/jars", "ray/rllib", "ray/data", "ray/train", "ray/tune", "ray/llm", "ray/serve/llm")
@@ -64,9 +71,9 @@ def installed_version(name: str) -> str | None:
         return None
 
 
-def download(wheel_dir: Path) -> None:
+def download(wheel_dir: Path, packages: list[str]) -> None:
     specs = []
-    for package in PACKAGES:
+    for package in packages:
         if "==" not in package and (pinned := installed_version(package)) is not None:
             package = f"{package}=={pinned}"
         specs.append(package)
@@ -100,11 +107,17 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(".gpu-wheels"), help="output folder (default: %(default)s)"
     )
+    parser.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="only what the in-process engine needs (pydantic), as site_engine.tar.xz "
+        "(default: the whole serving stack, as site.tar.xz)",
+    )
     args = parser.parse_args()
-    wheel_dir = args.out / "wheels"
+    wheel_dir = args.out / ("engine_wheels" if args.engine_only else "wheels")
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    download(wheel_dir)
-    archive = args.out / "site.tar.xz"
+    download(wheel_dir, ENGINE_PACKAGES if args.engine_only else PACKAGES)
+    archive = args.out / ("site_engine.tar.xz" if args.engine_only else "site.tar.xz")
     with tempfile.TemporaryDirectory() as staging:
         site = Path(staging)
         unpack(wheel_dir, site)

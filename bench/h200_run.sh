@@ -2,7 +2,8 @@
 # The H200 runs behind the README's GPU tables, as one device call.
 #
 # The GPU image has torch, triton and grpcio but not Ray: `python bench/gpu_site.py` packs the
-# serving stack into .gpu-wheels/site.tar.xz, which travels with the call (carry it). Each stage
+# serving stack into .gpu-wheels/site.tar.xz, which travels with the call (carry it; for the
+# in-process stages alone, `--engine-only`'s .gpu-wheels/site_engine.tar.xz will do). Each stage
 # writes its log to $OUT/<stage>.log (a call brings back at most 8 files), so a call that runs
 # out of time still returns the stages it finished. Stages: nvidia budget budget256 hops serve
 # graph chain overlap direct sockets local local_chain local_interval local_hops local_profile
@@ -16,7 +17,11 @@
 set -uo pipefail
 OUT=${OUT:-bench/out/h200}
 mkdir -p "$OUT" /tmp/site
-tar -xJf .gpu-wheels/site.tar.xz -C /tmp/site
+# Whichever site was carried: the whole serving stack, or the engine's (`gpu_site.py
+# --engine-only`, for the in-process stages, when the tree and the whole stack pass 64 MiB).
+for site in .gpu-wheels/site.tar.xz .gpu-wheels/site_engine.tar.xz; do
+  [ -f "$site" ] && tar -xJf "$site" -C /tmp/site
+done
 export PYTHONPATH=.:/tmp/site PATH="/tmp/site/bin:$PATH" RAY_AUTH_MODE=disabled
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(nvidia budget hops serve)
