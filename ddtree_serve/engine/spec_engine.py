@@ -83,6 +83,13 @@ logger = logging.getLogger(__name__)
 PROBE_REQUESTS = 4
 """Requests a probe after plain steps drafts (`SpecEngine._probe_requests` picks them)."""
 
+DRAIN_QUIET_STEPS = 4
+"""Steps without a request added, and none waiting, after which the running batch counts as
+draining: an adaptive policy that weighs a drain (`AdaptiveBudget.weighs_drain`, `DRAIN_POWER`)
+is then told each request's expected steps to finish (`AdaptiveBudget.plan`), since what is left
+ends with its slowest request. A server held at its load adds a request every step or two (a
+finished one's slot taken); a closed batch adds none after its first."""
+
 
 class SpecEngine:
     """Continuous-batching speculative decoding; not thread-safe (drive it from one thread)."""
@@ -182,6 +189,7 @@ class SpecEngine:
         # This step's verify met a graph key first: the target captured it, and the policy
         # learns no price from its time (`AdaptiveBudget.record_verify_ms`).
         self._verify_captures = False
+        self._steps_since_arrival = 0  # steps since a request was last added (`DRAIN_QUIET_STEPS`)
 
     def _warm_up_graphs(self, token_buckets: tuple[int, ...]) -> None:
         """Capture the graphs every step shape meets (`graph_warmup`); an adaptive policy learns
@@ -258,6 +266,7 @@ class SpecEngine:
         )
         self.scheduler.add(request)
         self._requests[request_id] = request
+        self._steps_since_arrival = 0
 
     def abort_request(self, request_id: str) -> None:
         """End a request now; its final output (reason "abort") comes with the next step."""
@@ -295,6 +304,7 @@ class SpecEngine:
         self._adaptive_inputs = None  # worked out again for this step's requests
         self._cruise_step = None
         self._draft_unused = False
+        self._steps_since_arrival += 1
         with self.timer.stage(Stage.SCHEDULE):
             scheduled = self.scheduler.schedule()
         if scheduled.prefills:
@@ -386,7 +396,8 @@ class SpecEngine:
             draft = self._call_drafter(requests, top_k) if ahead else None
             if ahead and draft is None:
                 return running, None  # the drafter was lost
-            ceiling = policy.plan(caps, hidden=ahead)
+            steps_to_finish = self._steps_to_finish(requests) if policy.weighs_drain else None
+            ceiling = policy.plan(caps, hidden=ahead, steps_to_finish=steps_to_finish)
             if draft is not None and ceiling == 0:  # a plain step after all: the draft goes unused
                 self._draft_unused = True
                 # Its end awaited here, so that the plain verify's time is the verify's alone.
@@ -817,6 +828,20 @@ class SpecEngine:
         caps = self._adaptive_caps(requests, keepable)
         self._adaptive_inputs = (requests, keepable, caps)
         return keepable, caps
+
+    def _steps_to_finish(self, requests: Sequence[Request]) -> list[float] | None:
+        """Each request's expected steps to its end (tokens it may still emit over the tokens
+        its steps made so far, each; the batch's mean for one that has taken no step yet), where
+        the batch drains (`DRAIN_QUIET_STEPS`); None while requests wait or keep arriving."""
+        if self.scheduler.waiting or self._steps_since_arrival < DRAIN_QUIET_STEPS:
+            return None
+        stepped = [r for r in requests if r.steps]
+        mean_rate = sum(r.num_step_tokens for r in stepped) / max(sum(r.steps for r in stepped), 1)
+        return [
+            (r.max_output_tokens - len(r.output_token_ids))
+            / max(r.num_step_tokens / r.steps if r.steps else mean_rate, 1.0)
+            for r in requests
+        ]
 
     def _adaptive_caps(self, requests: Sequence[Request], keepable: Sequence[int]) -> list[int]:
         """Draft nodes the adaptive policy may give each request: its budget, or none when it

@@ -26,7 +26,7 @@ from ddtree_serve.engine.budget.allocator import (
     allocate_padded_rows,
     ceiling_rates,
 )
-from ddtree_serve.engine.budget.draft_gate import PROBE_SHARE, TAIL_STEPS, recheck_steps
+from ddtree_serve.engine.budget.draft_gate import PROBE_SHARE, TAIL_STEPS, drain_weights, recheck_steps
 from ddtree_serve.engine.budget.policy import (
     CALIBRATION_STEPS,
     CRUISE_LESSON_BATCH,
@@ -506,6 +506,50 @@ def test_a_lesson_weighs_the_trees_it_holds_not_its_rows():
     np.testing.assert_allclose(mostly_empty.curve, one_tree.curve)
     assert one_tree.curve[0] > 0.8 * (1.0 - weight)  # less than a full lesson
     assert one_tree.token_residual.window_trees == trees
+
+
+def test_a_draining_batch_weighs_its_requests_by_their_steps_to_finish():
+    weights = drain_weights([10.0, 20.0, 40.0], power=2.0)
+    np.testing.assert_allclose(weights, np.array([1.0, 4.0, 16.0]) * 3 / 21)  # mean 1
+    assert drain_weights([10.0, 20.0], power=0.0) is None  # off
+    assert drain_weights(None, power=4.0) is None  # nothing drains
+    assert drain_weights([30.0], power=4.0) is None  # one request: its own curve is the batch's
+    assert drain_weights([12.0, 12.0, 12.0], power=4.0) is None  # alike
+
+
+def test_the_drain_curve_weighs_each_tree_by_its_request_and_the_curve_does_not():
+    gate = DraftGate(curve_weight=1.0, curve_trees=1)  # each lesson replaces the curves
+    probs = np.array([[0.9, 0.8, 0.0], [0.3, 0.2, 0.1]])
+    gate.record_curve(probs, np.array([2, 3]), weights=np.array([0.5, 1.5]))
+    np.testing.assert_allclose(gate.curve, [0.6, 0.5, 0.1])
+    np.testing.assert_allclose(gate.drain_curve, [(0.45 + 0.45) / 2, (0.4 + 0.3) / 2, 0.1])
+    gate.record_curve(probs, np.array([2, 3]))  # a step that did not drain: both the mean
+    np.testing.assert_allclose(gate.drain_curve, gate.curve)
+    assert gate.drain_curve is not gate.curve  # blended apart
+
+
+def test_a_draining_batch_takes_the_width_its_slowest_request_gains_from():
+    """A confident request's tree reaches its full depth within 16 nodes, an unsure one's nodes
+    past 16 are still accepted now and then. For the batch's rate 16 wins (32's step costs 31%
+    more for 16% more tokens); weighed toward the unsure request, whose end the batch waits
+    for, 32 wins (54% more of its tokens)."""
+    cost = linear_curve(7.0, 0.1, draft_ms=0.1)
+    confident = np.concatenate([np.full(16, 0.9), np.zeros(16)])
+    unsure = np.full(32, 0.2)
+    probs, lengths = np.stack([confident, unsure]), np.array([32, 32])
+    weights = drain_weights([10.0, 30.0], power=2.0)
+
+    def choice(weigh_lessons: bool, weigh_decision: bool) -> int:
+        gate = DraftGate()
+        for _ in range(5):
+            gate.record_curve(probs, lengths, weights=weights if weigh_lessons else None)
+        return gate.ceiling(
+            [32, 32], cost, BuildCost(0.0, 0.0, 0.0), "padded", weights=weights if weigh_decision else None
+        )
+
+    assert choice(weigh_lessons=True, weigh_decision=False) == 16
+    assert choice(weigh_lessons=False, weigh_decision=True) == 16  # no weighed lesson yet
+    assert choice(weigh_lessons=True, weigh_decision=True) == 32
 
 
 def test_one_probe_past_the_ceilings_prices_the_wider_ceiling_at_its_gain():

@@ -24,7 +24,7 @@ from ddtree_serve.engine.graph_shapes import VerifyGraphShapes
 from ddtree_serve.engine.interfaces import TargetUnavailableError
 from ddtree_serve.engine.local import build_local_engine
 from ddtree_serve.engine.sampling_params import SamplingParams
-from ddtree_serve.engine.spec_engine import PROBE_REQUESTS, SpecEngine
+from ddtree_serve.engine.spec_engine import DRAIN_QUIET_STEPS, PROBE_REQUESTS, SpecEngine
 from ddtree_serve.models import bundled_target_dir, load_tokenizer
 from ddtree_serve.models.cuda_graphs import TOKEN_BUCKETS
 from tests.engine.conftest import REFERENCE_TOKENS, bundled_pair_present, run_to_completion
@@ -172,8 +172,8 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
     top_ks = recorded_top_ks(engine.drafter)
     plan = policy.plan
 
-    def recording_plan(caps, hidden=False):
-        ceiling = plan(caps, hidden=hidden)
+    def recording_plan(caps, hidden=False, steps_to_finish=None):
+        ceiling = plan(caps, hidden=hidden, steps_to_finish=steps_to_finish)
         settled_widths.append(policy.settled_width if ceiling else None)
         return ceiling
 
@@ -196,6 +196,44 @@ def test_a_settled_step_drafts_and_builds_at_its_width(make_pair_config, prompt_
         assert top_k == width and max(step.num_nodes) <= width
 
 
+def test_only_a_draining_batch_tells_the_policy_its_steps_to_finish(make_pair_config, prompt_ids, cost_files):
+    """Two slots for three requests, all added at once, and a policy that weighs a drain: while
+    one waits, or within `DRAIN_QUIET_STEPS` of the last request added, it plans for the batch's
+    rate; once
+    nothing waits or arrives, it is told each running request's expected steps to its end (the
+    longest request's the most), and the output stays plain decoding's."""
+    config = make_pair_config(mode="ddtree", budget=8, max_num_seqs=2, budget_policy="adaptive")
+    engine = build_local_engine(config.model_copy(update={"cost_curve": cost_files["free_nodes"]}))
+    steer_by_the_file(engine)
+    policy = engine.budget_policy
+    assert not policy.weighs_drain  # off by default
+    policy.gate.drain_power = 4.0
+    plans: list[tuple[bool, Sequence[float] | None]] = []  # (draining, steps_to_finish)
+    plan = policy.plan
+    step = 0
+
+    def recording_plan(caps, hidden=False, steps_to_finish=None):
+        plans.append((engine.num_waiting == 0 and step >= DRAIN_QUIET_STEPS, steps_to_finish))
+        if steps_to_finish is not None:
+            assert len(steps_to_finish) == len(caps)
+        return plan(caps, hidden=hidden, steps_to_finish=steps_to_finish)
+
+    policy.plan = recording_plan
+    lengths = (12, 60, 40)
+    add_greedy_requests(engine, prompt_ids, lengths)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        step += 1
+        outputs.update({out.request_id: list(out.token_ids) for out in engine.step() if out.finished})
+    assert outputs == plain_decoding(make_pair_config, prompt_ids, lengths)
+    assert any(draining for draining, _ in plans) and not all(draining for draining, _ in plans)
+    assert all((told is not None) == draining for draining, told in plans)
+    # Requests 1 (60 tokens, running from the start) and 2 (40, admitted when request 0 ended):
+    # 2 has the more to go.
+    told = [steps for _, steps in plans if steps is not None and len(steps) == 2]
+    assert told and all(0 < first < second for first, second in told)
+
+
 def test_a_plain_streak_cruises_unasked_until_its_batch_changes(make_pair_config, prompt_ids, cost_files):
     """A drafter so dear that the gate decodes plainly: a plain streak's steps run without
     planning, at most `PLAIN_CRUISE_STEPS` in a row, each with a plain step's record; a request
@@ -208,9 +246,9 @@ def test_a_plain_streak_cruises_unasked_until_its_batch_changes(make_pair_config
     planned: list[bool] = []
     plan = policy.plan
 
-    def recording_plan(caps, hidden=False):
+    def recording_plan(caps, hidden=False, steps_to_finish=None):
         planned[-1] = True
-        return plan(caps, hidden=hidden)
+        return plan(caps, hidden=hidden, steps_to_finish=steps_to_finish)
 
     policy.plan = recording_plan
     lengths = (16, 40, 40)  # the first request leaves the batch early
@@ -286,9 +324,9 @@ def test_a_cruising_step_drafts_builds_and_records_at_its_width(
     top_ks = recorded_top_ks(engine.drafter)
     plan = policy.plan
 
-    def recording_plan(caps, hidden=False):
+    def recording_plan(caps, hidden=False, steps_to_finish=None):
         plans.append(len(top_ks))
-        return plan(caps, hidden=hidden)
+        return plan(caps, hidden=hidden, steps_to_finish=steps_to_finish)
 
     policy.plan = recording_plan
     add_greedy_requests(engine, prompt_ids, max_tokens)
@@ -779,11 +817,11 @@ def drafts_as_on_a_device(engine: SpecEngine, monkeypatch) -> list[bool]:
     hidden_flags: list[bool] = []
     plan = engine.budget_policy.plan
 
-    def recording_plan(caps, hidden=False):
+    def recording_plan(caps, hidden=False, steps_to_finish=None):
         hidden_flags.append(hidden)
         if hidden:
             assert any(caps), "a draft launched ahead where no request can keep a token"
-        return plan(caps, hidden=hidden)
+        return plan(caps, hidden=hidden, steps_to_finish=steps_to_finish)
 
     monkeypatch.setattr(engine.budget_policy, "plan", recording_plan)
     return hidden_flags
@@ -825,8 +863,8 @@ def test_a_plain_choice_after_a_draft_launched_ahead_leaves_it_unused(
 
     newcomers: list[bool] = []  # per plain turn: whether its draft caught up on a prompt
 
-    def plain_every_other_ahead(caps, hidden=False):
-        ceiling = plan(caps, hidden=hidden)
+    def plain_every_other_ahead(caps, hidden=False, steps_to_finish=None):
+        ceiling = plan(caps, hidden=hidden, steps_to_finish=steps_to_finish)
         if hidden:
             turned.append(not turned or not turned[-1])
             if turned[-1]:

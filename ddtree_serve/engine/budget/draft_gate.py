@@ -228,6 +228,29 @@ continuous c = 1-2 0.93-0.94 -> 0.96 (`bench/results/budget_sweep_h200.md`, thir
 session)."""
 
 
+DRAIN_POWER = 0.0
+"""While a batch drains (no request waits or arrived lately: `SpecEngine`), the gate's choice may
+weigh each request's trees by its expected steps to finish, over the batch's longest, to this
+power (`drain_weights`; 0, the default: every request alike). A drained batch ends with its slowest request,
+and the requests a draft serves worst gain most from width: a confident request's best-first
+tree reaches the block's full depth within 16 nodes, while a flat draft's nodes past 16 are
+siblings near its root that verification still accepts. On an H100 (bf16, closed, 256 tokens,
+c = 16) fixed-16 made 103 tokens a step at batch 16 in 4.72 ms and fixed-32 111.5 in 5.31 (16
+the better rate there, and the gate's choice), but the slowest request then took 79 steps
+against 56, and fixed-32's run was 1.21x fixed-16's tokens/s; the adaptive run, on 16, made
+0.78 of fixed-32's. Weighed so, the drafting ceilings are ranked by the rate of the requests the
+run waits for; whether to draft at all stays the batch's rate against a plain step's (a slow
+request's trees gain little over a plain step, and an earlier pacing by the slowest row alone
+took plain steps in a quarter of a c = 64 round: `bench/results/adaptive_budget_history.md`). With
+requests waiting, every request's tokens count alike and the weights are off.
+Off by default: not yet measured on a GPU, where alone the slowest requests gain so from width
+(on this CPU, fp32 or bf16, the slowest prompt took as many steps at 16 as at 32, and on the fake
+device, `bench/fake_device.py --stand-in measured --hit-spread 0.5`, powers 0, 1 and 4 read
+within 0.02 of each other at closed c = 4-32, 256 tokens); three pacings of a closed batch by
+its slowest request lost on an H100 before (the history file, twenty-seventh and twenty-eighth
+sessions). A/B it in one process: `bench/step_kinds.py --variant drain_power=4`."""
+
+
 class DraftGate:
     """The step's tree ceiling; `ceiling` is called once per step, `record_curve` with each
     drafted step's lesson (the policy's `learn`), `record_step_ms` after each step."""
@@ -243,6 +266,7 @@ class DraftGate:
         tail_steps: int = TAIL_STEPS,
         recheck_steps: int = DRAFTED_RECHECK_STEPS,
         curve_trees: int = CURVE_TREES,
+        drain_power: float = DRAIN_POWER,
     ) -> None:
         """`probe_share`: see `PROBE_SHARE` (0: probes back off by doubling alone).
         `near_best_ms`: see `NEAR_BEST_MS` (0: a wider ceiling than the best only at no more
@@ -255,7 +279,9 @@ class DraftGate:
         `tail_steps`: see `TAIL_STEPS` (0: a cruise ends when its steps are spent, always).
         `recheck_steps`: see `DRAFTED_RECHECK_STEPS`; a setting so a benchmark can A/B it.
         `curve_trees`: see `CURVE_TREES` (1: every lesson moves the curve by `curve_weight`, and
-        every bucket's tokens ratios keep one window); a setting so a benchmark can A/B it."""
+        every bucket's tokens ratios keep one window); a setting so a benchmark can A/B it.
+        `drain_power`: see `DRAIN_POWER` (0: a draining batch's requests weigh alike); a setting
+        so a benchmark can A/B it."""
         if (
             probe_interval < 1
             or not 0.0 < curve_weight <= 1.0
@@ -266,11 +292,13 @@ class DraftGate:
             or tail_steps < 0
             or recheck_steps < 1
             or curve_trees < 1
+            or drain_power < 0.0
         ):
             raise ValueError(
                 "need probe_interval >= 1, curve_weight in (0, 1], probe_share >= 0, near_best_ms >= 0,"
                 " small_batch_near_best_ms >= 0,"
-                " near_tie_rate in [0, 1), tail_steps >= 0, recheck_steps >= 1 and curve_trees >= 1"
+                " near_tie_rate in [0, 1), tail_steps >= 0, recheck_steps >= 1, curve_trees >= 1"
+                " and drain_power >= 0"
             )
         self.probe_interval = probe_interval
         self.curve_weight = curve_weight
@@ -281,10 +309,15 @@ class DraftGate:
         self.tail_steps = tail_steps
         self.recheck_steps = recheck_steps
         self.curve_trees = curve_trees
+        self.drain_power = drain_power
         self.curve: np.ndarray | None = None  # [positions] recent drafter probabilities
         # [positions] recent mean of calibrated over calibrated mean (1 where `record_curve` is
         # given no calibration: its probabilities are acceptance already)
         self.spread = np.ones(0)
+        # The same over each step's requests weighed by `drain_weights` where the step had them
+        # (alike where it had none): what a draining batch's choice reads (`DRAIN_POWER`).
+        self.drain_curve = np.zeros(0)
+        self.drain_spread = np.ones(0)
         self.steps_since_probe = 0  # steps since the last probe (each took the best choice)
         # Plain steps before the next probe, per batch bucket (`probe_interval` where none is
         # kept): doubled after each probe that found drafting still a loss at that bucket (a
@@ -358,6 +391,7 @@ class DraftGate:
         overhead: StepOverhead | None = None,
         learning: bool = False,
         calibrate: Calibration | None = None,
+        weights: np.ndarray | None = None,
     ) -> int:
         """Draft nodes per tree this step may build (0: decode plainly); counts toward a probe.
 
@@ -368,7 +402,10 @@ class DraftGate:
         Each candidate's predicted rate is divided by its measured step-time ratio and
         multiplied by its made-over-forecast tokens ratio (`step_residual.py`); `record_step_ms`
         teaches both from the step this chose.
-        `calibrate`: the acceptance of drafter probabilities (None: the curve is acceptance)."""
+        `calibrate`: the acceptance of drafter probabilities (None: the curve is acceptance).
+        `weights`: a draining batch's (`drain_weights`; None: none drains): the drafting
+        ceilings are ranked by their rates over `drain_curve`; whether to draft at all, and the
+        predictions the step's ratios are learned against, stay the batch's own curve's."""
         overhead = overhead or StepOverhead()
         self._decided = None
         self._narrower_forecasts = {}
@@ -423,6 +460,14 @@ class DraftGate:
             candidates, rates, step_ms, tokens, measured_ms = self._drafted_ceilings(
                 acceptance, caps, cost, build, layout, overhead
             )
+            # Which drafting ceiling: in a draining batch, the rate of the requests it waits for
+            # (`DRAIN_POWER`); whether to draft at all stays the batch's rate against a plain step's.
+            choice_rates = rates
+            if weights is not None and len(self.drain_curve):
+                drain = self.drain_curve
+                if calibrate is not None:
+                    drain = calibrate(drain) * self.drain_spread
+                choice_rates = self._drafted_ceilings(drain, caps, cost, build, layout, overhead)[1]
             predicted_ms = dict(zip(candidates, step_ms.tolist(), strict=True))
             predicted_tokens = dict(zip(candidates, tokens.tolist(), strict=True))
             plain_rate = plain_decode_rate(batch_size, cost, overhead.plain_ms) / self.residual.ratio(
@@ -433,7 +478,12 @@ class DraftGate:
             drafted_rate = float(np.max(rates))
             own_steps = np.array([self.residual.measured(batch_size, c) for c in candidates])
             near = _widest_near_best(
-                rates, measured_ms, own_steps, plain_rate, self._near_best_ms(batch_size), self.near_tie_rate
+                choice_rates,
+                measured_ms,
+                own_steps,
+                plain_rate,
+                self._near_best_ms(batch_size),
+                self.near_tie_rate,
             )
             drafted = candidates[near]
             best = drafted if drafted_rate > plain_rate or learning else 0
@@ -813,37 +863,83 @@ class DraftGate:
         return affordable
 
     def record_curve(
-        self, probs: np.ndarray, lengths: np.ndarray, calibrate: Calibration | None = None
+        self,
+        probs: np.ndarray,
+        lengths: np.ndarray,
+        calibrate: Calibration | None = None,
+        weights: np.ndarray | None = None,
     ) -> None:
         """A drafted step's candidates as one matrix: row b holds request b's drafter
         probabilities in best-first order (acceptance probabilities when `calibrate` is None),
         its first `lengths[b]` entries (zeros past them). A lesson of n trees moves the curve as
-        n / `curve_trees` lessons of `curve_trees` trees would, by `curve_weight` at most."""
+        n / `curve_trees` lessons of `curve_trees` trees would, by `curve_weight` at most.
+        `weights`: the rows' `drain_weights` at the step's decision (None: alike), which the
+        drain curve's lesson weighs them by."""
         width = int(lengths.max(initial=0))
         if width == 0:
             return
-        # Requests whose tree reaches position j: those longer than j.
-        counts = np.maximum(len(lengths) - np.cumsum(np.bincount(lengths, minlength=width + 1))[:width], 1)
-        step_curve = probs[:, :width].sum(axis=0) / counts
-        step_spread = np.ones(width)
-        if calibrate is not None:
-            mean_of_calibrated = calibrate(probs[:, :width]).sum(axis=0) / counts
-            calibrated_mean = calibrate(step_curve)
-            np.divide(mean_of_calibrated, calibrated_mean, out=step_spread, where=calibrated_mean > 0)
+        probs = probs[:, :width]
+        step_curve, step_spread = _step_curve(probs, lengths, np.ones(len(lengths)), calibrate)
+        drain = (
+            (step_curve.copy(), step_spread.copy())  # blended in place, apart from the curve's
+            if weights is None
+            else _step_curve(probs, lengths, weights, calibrate)
+        )
         if self.curve is None:
             self.curve, self.spread = step_curve, step_spread
+            self.drain_curve, self.drain_spread = drain
             return
-        known = min(width, len(self.curve))
         trees = int(np.count_nonzero(lengths))
         weight = min(self.curve_weight, 1.0 - (1.0 - self.curve_weight) ** (trees / self.curve_trees))
-        self.curve[:known] += weight * (step_curve[:known] - self.curve[:known])
-        self.spread[:known] += weight * (step_spread[:known] - self.spread[:known])
-        if width > known:
-            # Positions no tree reached before (a probe past the ceilings so far) start as
-            # measured: blended up from zero they would price the wider ceiling at a third of
-            # its gain, and the next probe is a probe interval away.
-            self.curve = np.concatenate((self.curve, step_curve[known:]))
-            self.spread = np.concatenate((self.spread, step_spread[known:]))
+        self.curve, self.spread = _blend(self.curve, self.spread, step_curve, step_spread, weight)
+        self.drain_curve, self.drain_spread = _blend(self.drain_curve, self.drain_spread, *drain, weight)
+
+
+def drain_weights(steps_to_finish: Sequence[float] | None, power: float) -> np.ndarray | None:
+    """Each request's weight in a draining batch's choice (`DRAIN_POWER`): its expected steps to
+    finish over the batch's longest, to `power`, scaled to a mean of 1. None where nothing
+    drains (`steps_to_finish` None), `power` is 0, or every request weighs alike (one request,
+    or equal steps): the batch's own curve decides."""
+    if steps_to_finish is None or power <= 0.0 or len(steps_to_finish) < 2:
+        return None
+    steps = np.asarray(steps_to_finish, dtype=np.float64)
+    longest = float(steps.max())
+    if longest <= 0.0 or float(steps.min()) == longest:
+        return None
+    weights = (np.maximum(steps, 0.0) / longest) ** power
+    return weights * (len(weights) / weights.sum())
+
+
+def _step_curve(
+    probs: np.ndarray, lengths: np.ndarray, weights: np.ndarray, calibrate: Calibration | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """One step's curve and spread (`DraftGate.record_curve`): per position, the mean over the
+    rows whose tree reaches it, each row counted by its weight."""
+    width = probs.shape[1]
+    reaches = np.arange(width)[None, :] < lengths[:, None]  # [B, width]
+    counts = np.maximum(weights @ reaches, 1e-12)
+    step_curve = (weights @ probs) / counts
+    step_spread = np.ones(width)
+    if calibrate is not None:
+        mean_of_calibrated = (weights @ calibrate(probs)) / counts
+        calibrated_mean = calibrate(step_curve)
+        np.divide(mean_of_calibrated, calibrated_mean, out=step_spread, where=calibrated_mean > 0)
+    return step_curve, step_spread
+
+
+def _blend(
+    curve: np.ndarray, spread: np.ndarray, step_curve: np.ndarray, step_spread: np.ndarray, weight: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """A curve and its spread moved toward one step's by `weight`. Positions no tree reached
+    before (a probe past the ceilings so far) start as measured: blended up from zero they would
+    price the wider ceiling at a third of its gain, and the next probe is a probe interval away."""
+    known = min(len(step_curve), len(curve))
+    curve[:known] += weight * (step_curve[:known] - curve[:known])
+    spread[:known] += weight * (step_spread[:known] - spread[:known])
+    if len(step_curve) > known:
+        curve = np.concatenate((curve, step_curve[known:]))
+        spread = np.concatenate((spread, step_spread[known:]))
+    return curve, spread
 
 
 def _widest_near_best(

@@ -61,7 +61,7 @@ from ddtree_serve.engine.budget.allocator import (
 from ddtree_serve.engine.budget.build_cost import BuildCost
 from ddtree_serve.engine.budget.calibration import AcceptanceCalibrator
 from ddtree_serve.engine.budget.cost_curve import CostCurve
-from ddtree_serve.engine.budget.draft_gate import DraftGate
+from ddtree_serve.engine.budget.draft_gate import DraftGate, drain_weights
 from ddtree_serve.engine.budget.measure import powers_of_two_upto
 from ddtree_serve.engine.budget.step_overhead import StepOverhead
 from ddtree_serve.engine.budget.step_residual import batch_bucket
@@ -216,6 +216,8 @@ class AdaptiveBudget:
         self._settled_logws = np.zeros((0, 0))
         self._built_lengths = np.zeros(0, dtype=np.int64)  # its draft nodes built per request
         self._whole_rows: np.ndarray | None = None  # [B] its rows no request's end cut (None: all)
+        # [B] the last plan's requests' weights in a draining batch (`drain_weights`; None: alike).
+        self._row_weights: np.ndarray | None = None
         self._last_step: BudgetStep | None = None
         # A drafting cruise's step, its record not yet made (`cruised`): trees, accepted draft
         # tokens per request, ceiling and the calibration then.
@@ -259,16 +261,27 @@ class AdaptiveBudget:
         # The step under way planned (a step with the drafter lost does not: it arms no cruise).
         self._planned = False
 
-    def plan(self, caps: Sequence[int], hidden: bool = False) -> int:
+    def plan(
+        self, caps: Sequence[int], hidden: bool = False, steps_to_finish: Sequence[float] | None = None
+    ) -> int:
         """Starts a step: its tree ceiling (0: decode plainly), from recent acceptance and costs.
         `hidden`: it runs while the device computes the step's draft, launched before it
-        (`drafts_ahead`): its host time is not the step's, so no deciding time is counted."""
+        (`drafts_ahead`): its host time is not the step's, so no deciding time is counted.
+        `steps_to_finish`: each request's expected steps to its end where the batch drains (no
+        request waits: `SpecEngine`), in `caps`' order; the gate then weighs the requests the
+        batch waits for (`DRAIN_POWER`). None: every request's tokens count alike."""
         started = time.perf_counter()
+        self._row_weights = drain_weights(steps_to_finish, self.gate.drain_power)
         ceiling = self._plan(caps)
         self._planned = True
         self._choose_ms = 0.0
         self._deciding_ms = 0.0 if hidden else 1000.0 * (time.perf_counter() - started)
         return ceiling
+
+    @property
+    def weighs_drain(self) -> bool:
+        """Whether `plan` reads a draining batch's `steps_to_finish` (`DRAIN_POWER` set)."""
+        return self.gate.drain_power > 0.0
 
     @property
     def drafts_ahead(self) -> bool:
@@ -313,6 +326,7 @@ class AdaptiveBudget:
             self.overhead,
             learning=self._learning,
             calibrate=self.calibrator.calibrate,
+            weights=self._row_weights,
         )
         # A streak's step takes the width its last weighing at this ceiling took, unweighed
         # (`choose`), until the gate decides again (at most `recheck_steps` later): on
@@ -665,6 +679,7 @@ class AdaptiveBudget:
                 verified=verified,
                 accepted_nodes=accepted_nodes,
                 whole_rows=self._whole_rows,
+                row_weights=self._row_weights,
             )
         # A settled step teaches nothing but its wall time (`record_step_ms`, the gate's ratio
         # of its ceiling): its forwards' times are the streak's, which its other steps teach the
@@ -784,7 +799,15 @@ class AdaptiveBudget:
     def _learn_nodes(self, lesson: "_Lesson", nodes: "_DraftedNodes") -> None:
         """A drafted step's nodes: the gate's curve, the build cost and the calibrator."""
         rows = slice(None) if nodes.whole_rows is None else nodes.whole_rows  # all cut: no lesson
-        self.gate.record_curve(nodes.raw_probs[rows], nodes.built_lengths[rows], self.calibrator.calibrate)
+        weights = nodes.row_weights
+        if lesson.probe or (weights is not None and len(weights) != len(nodes.built_lengths)):
+            weights = None  # a probe's rows: its drafted requests first, in another order
+        self.gate.record_curve(
+            nodes.raw_probs[rows],
+            nodes.built_lengths[rows],
+            self.calibrator.calibrate,
+            weights=None if weights is None else weights[rows],
+        )
         if nodes.build_ms is not None:
             built = nodes.built_lengths
             self.build.observe(lesson.batch_size, int(built.sum()), int(built.max(initial=0)), nodes.build_ms)
@@ -917,6 +940,7 @@ class _DraftedNodes:
     verified: list[int]  # draft nodes each request verified (a prefix of its built ones)
     accepted_nodes: Sequence[Sequence[int]]  # per request, accepted node indices (root = 0)
     whole_rows: np.ndarray | None = None  # [B] rows no request's end cut, the curve's (None: all)
+    row_weights: np.ndarray | None = None  # [B] the rows' weights in a draining batch (None: alike)
 
 
 @dataclass(frozen=True)
