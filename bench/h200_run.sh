@@ -10,6 +10,7 @@
 # local_profile_tcp rtt core core_overlap core_interval colocated budget_ab budget_cont
 # budget_heldout budget_cont_heldout arrivals
 # arrivals_ab ttft_ab steps steps_ab ttft ttft_direct ttft_sockets fake features features_test graphs_test
+# drain_ab
 # startup gate
 # (default: nvidia budget hops serve).
 #
@@ -148,6 +149,14 @@ for stage in "${STAGES[@]}"; do
         PYTHONPATH=$path:/tmp/site run "steps_$side" 200 python3 bench/step_stages.py --device cuda \
           --dtype bfloat16 --budgets 8,32,64 --concurrency 1 2 4 --runs 8
       done ;;
+    drain_ab)  # the drain weights (`DRAIN_POWER`) A/B'd in one process per load: default (off)
+      # against drain_power=1 and 4, closed 256 and 64 tokens and held 64 (step_kinds.py)
+      kinds="python3 bench/step_kinds.py --device cuda --dtype bfloat16 --budgets 8,32,64 \
+        --variant drain_power=1 --variant drain_power=4"
+      run drain_ab_256 200 $kinds --max-tokens 256 --max-seq-len 1024 --concurrency 1,2,4,8,16 --rounds 6
+      run drain_ab_64 150 $kinds --max-tokens 64 --concurrency 4,8,16,32,64 --rounds 8
+      run drain_ab_held 150 $kinds --max-tokens 64 --requests-per-slot 4 --concurrency 4,16,64 \
+        --warmup-runs 1 --rounds 4 ;;
     budget256) run budget256 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 256 --max-seq-len 1024 --out-dir /tmp/budget256 --traces /tmp/budget256/traces.json
       cp /tmp/budget256/budget_sweep.json "$OUT/budget256_sweep.json" ;;  # plot it with --replot

@@ -27,7 +27,8 @@ plain steps (cruising `c`, deciding `d`) and its probes read against `ar`'s own.
 
 `--variant SETTINGS` (repeatable) adds an adaptive engine whose draft gate is built with other
 settings (`DraftGate`'s: `probe_interval`, `curve_weight`, `probe_share`, `near_best_ms`,
-`small_batch_near_best_ms`, `near_tie_rate`, `tail_steps`, `recheck_steps`, `curve_trees`),
+`small_batch_near_best_ms`, `near_tie_rate`, `tail_steps`, `recheck_steps`, `curve_trees`,
+`drain_power`),
 beside the default one, in the same rounds: an A/B of a setting on one device in one process,
 e.g. the band's step-time tolerance at c = 8:
 
