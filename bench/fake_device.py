@@ -13,6 +13,13 @@ says, and the difference between the adaptive engine and a fixed budget at the s
 this host's policy work. It is a host-in-the-loop simulation, not a measurement of the models.
 
     python bench/fake_device.py --cost bench/costs/bundled_pair_h200_bf16.json --concurrency 1 4 16 64
+
+`--variant SETTINGS` (repeatable, `step_kinds.py`'s) adds an adaptive engine whose draft gate is
+built with other settings, and each adaptive engine's median over the best fixed budget round
+by round is printed per level: an A/B of a gate setting on the fake device, e.g.
+
+    python bench/fake_device.py --cost bench/costs/bundled_pair_h100_bf16.json --stand-in measured \
+        --hit-spread 0.5 --max-tokens 256 --max-seq-len 1024 --concurrency 4 8 16 --variant drain_power=4
 """
 
 import argparse
@@ -28,10 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget_sweep import StepLog, markdown_table, row_line, tokens_per_s  # the sweep's own run and table
+from budget_sweep import StepLog, markdown_table, paired_ratios, row_line, tokens_per_s  # the sweep's own
+from step_kinds import gate_settings  # `--variant`'s parser
 
 from ddtree_serve.config import EngineConfig
-from ddtree_serve.engine.budget import CostCurve, load_cost_curve
+from ddtree_serve.engine.budget import CostCurve, DraftGate, load_cost_curve
 from ddtree_serve.engine.builder import bundled_target_dir
 from ddtree_serve.engine.interfaces import (
     DraftInput,
@@ -231,7 +239,7 @@ class FakeDrafter:
 
 
 def engines(args: argparse.Namespace, cost_path: str, tokenizer) -> dict[str, SpecEngine]:
-    """AR, each fixed budget and the adaptive policy, each over its own fakes."""
+    """AR, each fixed budget, the adaptive policy and its `--variant`s, each over its own fakes."""
     base = EngineConfig(
         budget=max(args.budgets),
         max_num_seqs=max(args.concurrency),
@@ -258,10 +266,19 @@ def engines(args: argparse.Namespace, cost_path: str, tokenizer) -> dict[str, Sp
         target, drafter = fakes()
         settings = base.model_copy(update={"budget": budget}).to_settings()
         made[f"ddtree-{budget}"] = SpecEngine(settings, target, drafter, tokenizer)
-    target, drafter = fakes()
     settings = base.model_copy(update={"budget_policy": "adaptive", "cost_curve": cost_path}).to_settings()
-    made["adaptive"] = SpecEngine(settings, target, drafter, tokenizer)
+    for gate in [None, *args.variant]:
+        target, drafter = fakes()
+        engine = SpecEngine(settings, target, drafter, tokenizer)
+        if gate is not None:
+            engine.budget_policy.gate = DraftGate(**gate)
+        made[variant_name(gate)] = engine
     return made
+
+
+def variant_name(gate: dict | None) -> str:
+    """An adaptive engine's name: `adaptive`, or with its gate's settings (`--variant`)."""
+    return "adaptive" + ("" if gate is None else " " + ",".join(f"{k}={v}" for k, v in gate.items()))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,6 +331,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per engine, median (default: %(default)s)"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=gate_settings,
+        metavar="SETTINGS",
+        help="an adaptive engine with these draft-gate settings beside the default one, e.g. "
+        "drain_power=4 (repeatable; default: none)",
+    )
     args = parser.parse_args(argv)
     if not Path(args.cost).is_file():
         parser.error(f"no cost file at {args.cost}")
@@ -333,6 +359,9 @@ def main(argv: list[str] | None = None) -> None:
                     rates[name].append(rate)
         rows.append({"concurrency": concurrency, **{n: statistics.median(r) for n, r in rates.items()}})
         print(row_line(rows[-1]), flush=True)
+        for name in [variant_name(gate) for gate in [None, *args.variant]]:
+            paired = paired_ratios(rows[-1], {**rates, "adaptive": rates[name]})
+            print(f"  {name} / best, round by round: median {statistics.median(paired):.3f}", flush=True)
     print(markdown_table(rows, f"Fake device ({args.cost}), {args.max_tokens} new tokens"))
 
 
