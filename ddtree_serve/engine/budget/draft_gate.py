@@ -244,9 +244,10 @@ request's trees gain little over a plain step, and an earlier pacing by the slow
 took plain steps in a quarter of a c = 64 round: `bench/results/adaptive_budget_history.md`). With
 requests waiting, every request's tokens count alike and the weights are off.
 Off by default: not yet measured on a GPU, where alone the slowest requests gain so from width
-(on this CPU, fp32 or bf16, the slowest prompt took as many steps at 16 as at 32, and on the fake
-device, `bench/fake_device.py --stand-in measured --hit-spread 0.5`, powers 0, 1 and 4 read
-within 0.02 of each other at closed c = 4-32, 256 tokens); three pacings of a closed batch by
+(on this CPU, fp32 or bf16, the slowest prompt took as many steps at 16 as at 32), and on the
+fake device (`bench/fake_device.py --stand-in measured --hit-spread 0.5 --variant drain_power=4`,
+closed c = 4-32, 256 tokens) powers 1 and 4 read under the default at 6 of 8 cells, 4 taking
+64 at batch 16 where 32 wins; three pacings of a closed batch by
 its slowest request lost on an H100 before (the history file, twenty-seventh and twenty-eighth
 sessions). A/B it in one process: `bench/step_kinds.py --variant drain_power=4`."""
 
