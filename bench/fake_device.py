@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from budget_sweep import StepLog, markdown_table, paired_ratios, row_line, tokens_per_s  # the sweep's own
-from step_kinds import gate_settings  # `--variant`'s parser
+from step_kinds import add_variant_argument
 
 from ddtree_serve.config import EngineConfig
 from ddtree_serve.engine.budget import CostCurve, DraftGate, load_cost_curve
@@ -331,15 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per engine, median (default: %(default)s)"
     )
-    parser.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        type=gate_settings,
-        metavar="SETTINGS",
-        help="an adaptive engine with these draft-gate settings beside the default one, e.g. "
-        "drain_power=4 (repeatable; default: none)",
-    )
+    add_variant_argument(parser)
     args = parser.parse_args(argv)
     if not Path(args.cost).is_file():
         parser.error(f"no cost file at {args.cost}")

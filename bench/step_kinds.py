@@ -161,6 +161,19 @@ def gate_settings(text: str) -> dict[str, GateSetting]:
     return settings
 
 
+def add_variant_argument(parser: argparse.ArgumentParser) -> None:
+    """`--variant SETTINGS`: an adaptive engine with other draft-gate settings (`gate_settings`)."""
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=gate_settings,
+        metavar="SETTINGS",
+        help="an adaptive engine with these draft-gate settings beside the default one, e.g. "
+        "near_best_ms=0.08 (repeatable; default: none)",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -187,15 +200,7 @@ def main() -> None:
         "the concurrency held, each step that prefills a joining request a `p`) "
         "(default: %(default)s)",
     )
-    parser.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        type=gate_settings,
-        metavar="SETTINGS",
-        help="an adaptive engine with these draft-gate settings beside the default one, e.g. "
-        "near_best_ms=0.08 (repeatable; default: none)",
-    )
+    add_variant_argument(parser)
     parser.add_argument(
         "--variant-no-draft-ahead",
         action="store_true",
