@@ -4,7 +4,8 @@
 of steps it took; this says what each step chose and why. One adaptive policy first lives
 through `--history` (two closed runs a level, as the sweep's policy has met the lower levels
 before), then, for each of `--runs` rounds, fixed-16 and fixed-32 run a closed batch of
-`--level` requests (their steps by batch bucket) and the adaptive engine runs one, every step
+`--level` requests (or the level held, `--requests-per-slot`, as the sweep holds it; their steps
+by batch bucket) and the adaptive engine runs one, every step
 printed: batch size, longest cached context, `c` cruising or `d` planned, its ceiling, the
 tokens it made, its wall milliseconds, and at each decision the gate's candidates as
 `ceiling: (rate tok/s, predicted ms, forecast tokens, measured ms, tokens ratio, step-time
@@ -12,6 +13,7 @@ ratio, marginal-gain ratio)` with the cost curve's verify price at 17, 33 and 65
 then the `ceiling` call's result and flags (held, kept, probing, probing a neighbour).
 
     python bench/gate_steps.py --device cuda --dtype bfloat16 --max-seq-len 1024 --max-tokens 256
+    python bench/gate_steps.py --device cuda --dtype bfloat16 --max-tokens 64 --level 8 --requests-per-slot 4
 
 It found (H100, fiftieth session, `bench/results/gate_steps_h100_s50_*`) that at c = 16 with
 256 tokens the gate's choice of 16 over 32 was right per step at batch 16 (fixed-16 103 tokens
@@ -90,7 +92,15 @@ def main() -> None:
     )
     parser.add_argument("--runs", type=int, default=5, help="rounds at the level (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
+    parser.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=1,
+        help="requests each slot runs in turn per run at the level, as the sweep's (1: one closed "
+        "batch; more: the concurrency held) (default: %(default)s)",
+    )
     args = parser.parse_args()
+    held = args.requests_per_slot
     history = [int(c) for c in args.history.split(",") if c]
     base, target, drafter, tokenizer, prompts = live_pair(args, 64, max([args.level, *history]))
     policy = SpecEngine(_settings(base, "adaptive", None), target, drafter, tokenizer).budget_policy
@@ -116,12 +126,19 @@ def main() -> None:
         for b in FIXED_BUDGETS
     }
     for b, engine in fixed.items():  # graphs met at the level's shapes, before any timed run
-        run(engine, f"w{b}", prompts, args.level, args.max_tokens, defaultdict(list), {})
+        run(engine, f"w{b}", prompts, args.level, args.max_tokens, defaultdict(list), {}, held)
     for round_ in range(args.runs):
         for b, engine in fixed.items():
             by_bucket: dict = {}
             rate, _ = run(
-                engine, f"f{b}-{round_}", prompts, args.level, args.max_tokens, defaultdict(list), by_bucket
+                engine,
+                f"f{b}-{round_}",
+                prompts,
+                args.level,
+                args.max_tokens,
+                defaultdict(list),
+                by_bucket,
+                held,
             )
             print(f"fixed-{b} run {round_}: {rate:.0f} tok/s  {bucket_line(by_bucket)}")
         log.clear()
@@ -144,7 +161,7 @@ def main() -> None:
         engine.step = logged_step
         by_bucket = {}
         rate, _ = run(
-            engine, f"a-{round_}", prompts, args.level, args.max_tokens, defaultdict(list), by_bucket
+            engine, f"a-{round_}", prompts, args.level, args.max_tokens, defaultdict(list), by_bucket, held
         )
         print(f"adaptive run {round_}: {rate:.0f} tok/s  {bucket_line(by_bucket)}")
         shown = 0

@@ -10,7 +10,7 @@
 # local_profile_tcp rtt core core_overlap core_interval colocated budget_ab budget_cont
 # budget_heldout budget_cont_heldout arrivals
 # arrivals_ab ttft_ab steps steps_ab ttft ttft_direct ttft_sockets fake features features_test graphs_test
-# drain_ab
+# drain_ab gate_steps
 # startup gate
 # (default: nvidia budget hops serve).
 #
@@ -157,6 +157,12 @@ for stage in "${STAGES[@]}"; do
       run drain_ab_64 150 $kinds --max-tokens 64 --concurrency 4,8,16,32,64 --rounds 8
       run drain_ab_held 150 $kinds --max-tokens 64 --requests-per-slot 4 --concurrency 4,16,64 \
         --warmup-runs 1 --rounds 4 ;;
+    gate_steps)  # the adaptive steps one by one where HEAD misses most: closed 256-token c = 16
+      # and held 64-token c = 8 (gate_steps.py)
+      run gate_steps_256 150 python3 bench/gate_steps.py --device cuda --dtype bfloat16 --max-seq-len 1024 \
+        --max-tokens 256 --level 16
+      run gate_steps_held 150 python3 bench/gate_steps.py --device cuda --dtype bfloat16 --max-tokens 64 \
+        --level 8 --requests-per-slot 4 ;;
     budget256) run budget256 240 python3 bench/budget_sweep.py --device cuda --dtype bfloat16 \
       --max-tokens 256 --max-seq-len 1024 --out-dir /tmp/budget256 --traces /tmp/budget256/traces.json
       cp /tmp/budget256/budget_sweep.json "$OUT/budget256_sweep.json" ;;  # plot it with --replot
