@@ -231,25 +231,26 @@ session)."""
 DRAIN_POWER = 0.0
 """While a batch drains (no request waits or arrived lately: `SpecEngine`), the gate's choice may
 weigh each request's trees by its expected steps to finish, over the batch's longest, to this
-power (`drain_weights`; 0, the default: every request alike). A drained batch ends with its slowest request,
-and the requests a draft serves worst gain most from width: a confident request's best-first
-tree reaches the block's full depth within 16 nodes, while a flat draft's nodes past 16 are
-siblings near its root that verification still accepts. On an H100 (bf16, closed, 256 tokens,
-c = 16) fixed-16 made 103 tokens a step at batch 16 in 4.72 ms and fixed-32 111.5 in 5.31 (16
-the better rate there, and the gate's choice), but the slowest request then took 79 steps
-against 56, and fixed-32's run was 1.21x fixed-16's tokens/s; the adaptive run, on 16, made
-0.78 of fixed-32's. Weighed so, the drafting ceilings are ranked by the rate of the requests the
-run waits for; whether to draft at all stays the batch's rate against a plain step's (a slow
-request's trees gain little over a plain step, and an earlier pacing by the slowest row alone
-took plain steps in a quarter of a c = 64 round: `bench/results/adaptive_budget_history.md`). With
-requests waiting, every request's tokens count alike and the weights are off.
+power (`drain_weights`; 0, the default: every request alike). A drained batch ends with its
+slowest request, and the requests a draft serves worst gain most from width: a confident
+request's best-first tree reaches the block's full depth within 16 nodes, while a flat draft's
+nodes past 16 are siblings near its root that verification still accepts. On an H100 (bf16,
+closed, 256 tokens, c = 16) fixed-16 made 103 tokens a step at batch 16 in 4.72 ms and fixed-32
+111.5 in 5.31 (16 the better rate there, and the gate's choice), but the slowest request then
+took 79 steps against 56, and fixed-32's run was 1.21x fixed-16's tokens/s; the adaptive run, on
+16, made 0.78 of fixed-32's. Weighed so, the drafting ceilings are ranked by the rate of the
+requests the run waits for; whether to draft at all stays the batch's rate against a plain
+step's (a slow request's trees gain little over a plain step, and an earlier pacing by the
+slowest row alone took plain steps in a quarter of a c = 64 round:
+`bench/results/adaptive_budget_history.md`). With requests waiting, every request's tokens count
+alike and the weights are off.
 Off by default: not yet measured on a GPU, where alone the slowest requests gain so from width
 (on this CPU, fp32 or bf16, the slowest prompt took as many steps at 16 as at 32), and on the
-fake device (`bench/fake_device.py --stand-in measured --hit-spread 0.5 --variant drain_power=4`,
-closed c = 4-32, 256 tokens) powers 1 and 4 read under the default at 6 of 8 cells, 4 taking
-64 at batch 16 where 32 wins; three pacings of a closed batch by
-its slowest request lost on an H100 before (the history file, twenty-seventh and twenty-eighth
-sessions). A/B it in one process: `bench/step_kinds.py --variant drain_power=4`."""
+fake device (`bench/fake_device.py --stand-in measured --hit-spread 0.5 --variant
+drain_power=4`, closed c = 4-32, 256 tokens) powers 1 and 4 read under the default at 6 of 8
+cells, 4 taking 64 at batch 16 where 32 wins; three pacings of a closed batch by its slowest
+request lost on an H100 before (the history file, twenty-seventh and twenty-eighth sessions).
+A/B it in one process: `bench/step_kinds.py --variant drain_power=4`."""
 
 
 class DraftGate:
