@@ -232,8 +232,8 @@ def _log_choices(policy: AdaptiveBudget, log: dict[str, StepLog]) -> None:
     are the planned steps'."""
     plan, observe, cruised = policy.plan, policy.observe, policy.cruised
 
-    def logged_plan(caps, hidden=False):
-        ceiling = plan(caps, hidden=hidden)
+    def logged_plan(caps, *args, **kwargs):
+        ceiling = plan(caps, *args, **kwargs)
         log.setdefault("adaptive", StepLog()).ceilings[ceiling] += 1
         return ceiling
 
