@@ -829,18 +829,19 @@ class SpecEngine:
         self._adaptive_inputs = (requests, keepable, caps)
         return keepable, caps
 
-    def _steps_to_finish(self, requests: Sequence[Request]) -> list[float] | None:
-        """Each request's expected steps to its end (tokens it may still emit over the tokens
-        its steps made so far, each; the batch's mean for one that has taken no step yet), where
-        the batch drains (`DRAIN_QUIET_STEPS`); None while requests wait or keep arriving."""
+    def _steps_to_finish(self, requests: list[Request]) -> list[float] | None:
+        """Each request's expected steps to its end (tokens it may still emit, its keepable
+        draft tokens and one, over the tokens its steps made so far, each; the batch's mean for
+        one that has taken no step yet), where the batch drains (`DRAIN_QUIET_STEPS`); None
+        while requests wait or keep arriving."""
         if self.scheduler.waiting or self._steps_since_arrival < DRAIN_QUIET_STEPS:
             return None
+        keepable = self._adaptive_inputs_of(requests)[0]
         stepped = [r for r in requests if r.steps]
         mean_rate = sum(r.num_step_tokens for r in stepped) / max(sum(r.steps for r in stepped), 1)
         return [
-            (r.max_output_tokens - len(r.output_token_ids))
-            / max(r.num_step_tokens / r.steps if r.steps else mean_rate, 1.0)
-            for r in requests
+            (depth + 1) / max(r.num_step_tokens / r.steps if r.steps else mean_rate, 1.0)
+            for r, depth in zip(requests, keepable, strict=True)
         ]
 
     def _adaptive_caps(self, requests: Sequence[Request], keepable: Sequence[int]) -> list[int]:

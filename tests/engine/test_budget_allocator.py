@@ -518,7 +518,7 @@ def test_a_draining_batch_weighs_its_requests_by_their_steps_to_finish():
 
 
 def test_the_drain_curve_weighs_each_tree_by_its_request_and_the_curve_does_not():
-    gate = DraftGate(curve_weight=1.0, curve_trees=1)  # each lesson replaces the curves
+    gate = DraftGate(curve_weight=1.0, curve_trees=1, drain_power=4.0)  # each lesson replaces the curves
     probs = np.array([[0.9, 0.8, 0.0], [0.3, 0.2, 0.1]])
     gate.record_curve(probs, np.array([2, 3]), weights=np.array([0.5, 1.5]))
     np.testing.assert_allclose(gate.curve, [0.6, 0.5, 0.1])

@@ -882,19 +882,23 @@ class DraftGate:
             return
         probs = probs[:, :width]
         step_curve, step_spread = _step_curve(probs, lengths, np.ones(len(lengths)), calibrate)
-        drain = (
-            (step_curve.copy(), step_spread.copy())  # blended in place, apart from the curve's
-            if weights is None
-            else _step_curve(probs, lengths, weights, calibrate)
-        )
-        if self.curve is None:
-            self.curve, self.spread = step_curve, step_spread
-            self.drain_curve, self.drain_spread = drain
-            return
+        # The drain curve only where a choice can read it: a gate that weighs drains, or a lesson
+        # given weights (with `drain_power` 0 the policy gives none, and every lesson skips it).
+        drain = None
+        if weights is not None:
+            drain = _step_curve(probs, lengths, weights, calibrate)
+        elif self.drain_power > 0.0:
+            drain = (step_curve.copy(), step_spread.copy())  # blended in place, apart from the curve's
         trees = int(np.count_nonzero(lengths))
         weight = min(self.curve_weight, 1.0 - (1.0 - self.curve_weight) ** (trees / self.curve_trees))
-        self.curve, self.spread = _blend(self.curve, self.spread, step_curve, step_spread, weight)
-        self.drain_curve, self.drain_spread = _blend(self.drain_curve, self.drain_spread, *drain, weight)
+        if self.curve is None:
+            self.curve, self.spread = step_curve, step_spread
+        else:
+            self.curve, self.spread = _blend(self.curve, self.spread, step_curve, step_spread, weight)
+        if drain is not None and not len(self.drain_curve):
+            self.drain_curve, self.drain_spread = drain  # the first lesson it takes, as measured
+        elif drain is not None:
+            self.drain_curve, self.drain_spread = _blend(self.drain_curve, self.drain_spread, *drain, weight)
 
 
 def drain_weights(steps_to_finish: Sequence[float] | None, power: float) -> np.ndarray | None:
