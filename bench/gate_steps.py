@@ -27,7 +27,7 @@ import time
 from collections import defaultdict
 
 from budget_sweep import _engine, _settings, add_pair_arguments, live_pair
-from step_kinds import run
+from step_kinds import buckets_line, run
 
 from ddtree_serve.engine.budget import DraftGate
 from ddtree_serve.engine.spec_engine import SpecEngine
@@ -69,14 +69,6 @@ def log_decisions(gate: DraftGate, log: list) -> None:
 
     gate._drafted_ceilings = logged_drafted_ceilings
     gate.ceiling = logged_ceiling
-
-
-def bucket_line(by_bucket: dict) -> str:
-    """`step_kinds.run`'s steps by (batch bucket, ceiling): count, tokens and ms a step."""
-    return "; ".join(
-        f"b{bucket} c{ceiling}: {n:.0f}x {tokens / n:.1f} tok {ms / n:.2f} ms"
-        for (bucket, ceiling), (n, tokens, ms) in sorted(by_bucket.items())
-    )
 
 
 def main() -> None:
@@ -140,7 +132,7 @@ def main() -> None:
                 by_bucket,
                 held,
             )
-            print(f"fixed-{b} run {round_}: {rate:.0f} tok/s  {bucket_line(by_bucket)}")
+            print(f"fixed-{b} run {round_}: {rate:.0f} tok/s  {buckets_line(by_bucket)}")
         log.clear()
         engine = adaptive()
         steps = []
@@ -163,7 +155,7 @@ def main() -> None:
         rate, _ = run(
             engine, f"a-{round_}", prompts, args.level, args.max_tokens, defaultdict(list), by_bucket, held
         )
-        print(f"adaptive run {round_}: {rate:.0f} tok/s  {bucket_line(by_bucket)}")
+        print(f"adaptive run {round_}: {rate:.0f} tok/s  {buckets_line(by_bucket)}")
         shown = 0
         for i, (batch, rows, kind, ceiling, made, ms, upto) in enumerate(steps):
             events = " | ".join(str(event) for event in log[shown:upto])
