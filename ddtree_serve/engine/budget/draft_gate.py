@@ -317,7 +317,8 @@ class DraftGate:
         # given no calibration: its probabilities are acceptance already)
         self.spread = np.ones(0)
         # The same over each step's requests weighed by `drain_weights` where the step had them
-        # (alike where it had none): what a draining batch's choice reads (`DRAIN_POWER`).
+        # (alike where it had none): what a draining batch's choice reads (`DRAIN_POWER`); empty
+        # while no lesson could be read so (`drain_power` 0 and no weights given).
         self.drain_curve = np.zeros(0)
         self.drain_spread = np.ones(0)
         self.steps_since_probe = 0  # steps since the last probe (each took the best choice)
